@@ -1,0 +1,205 @@
+"""A scripted aiortc client: the peer used by the tests and the bench tools.
+
+It sends audio you feed it (48 kHz mono float32, paced as 20 ms frames like a microphone), records
+what the server sends back with each frame's RTP-derived sample offset and arrival time, and keeps
+every data-channel event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import av
+import numpy as np
+from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+RATE = 48000
+FRAME = RATE // 50  # 20 ms
+
+
+class MicrophoneTrack(MediaStreamTrack):
+    """Plays queued samples in real time; silence when nothing is queued."""
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: deque[np.ndarray] = deque()
+        self._queued = 0
+        self._t0: float | None = None
+        self._n = 0
+        self.sent_log: list[tuple[int, float]] = []  # (sample offset, send time) of non-silent frames
+        self.muted = False  # when True, recv() stalls like a dead peer
+
+    def feed(self, samples: np.ndarray) -> float:
+        """Queue audio; returns the stream time (s) at which its first sample will be sent."""
+        start = (self._n * FRAME + self._queued) / RATE
+        samples = np.asarray(samples, dtype=np.float32)
+        self._queue.append(samples)
+        self._queued += len(samples)
+        return start
+
+    @property
+    def queued_s(self) -> float:
+        return self._queued / RATE
+
+    def _take(self) -> np.ndarray:
+        out = np.zeros(FRAME, dtype=np.float32)
+        pos = 0
+        while pos < FRAME and self._queue:
+            head = self._queue[0]
+            k = min(FRAME - pos, len(head))
+            out[pos:pos + k] = head[:k]
+            pos += k
+            self._queued -= k
+            if k == len(head):
+                self._queue.popleft()
+            else:
+                self._queue[0] = head[k:]
+        return out
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = now
+        due = self._t0 + self._n * FRAME / RATE
+        if due > now:
+            await asyncio.sleep(due - now)
+        while self.muted:
+            await asyncio.sleep(0.05)
+        pcm = self._take()
+        pts = self._n * FRAME
+        self._n += 1
+        if np.any(pcm):
+            self.sent_log.append((pts, time.monotonic()))
+        frame = av.AudioFrame.from_ndarray((np.clip(pcm, -1, 1) * 32767).astype(np.int16)[None, :],
+                                           format="s16", layout="mono")
+        frame.sample_rate = RATE
+        frame.pts = pts
+        frame.time_base = fractions.Fraction(1, RATE)
+        return frame
+
+
+@dataclass
+class ReceivedAudio:
+    """Downlink audio placed by RTP timestamp (48 kHz mono)."""
+
+    chunks: list[tuple[int, np.ndarray, float]] = field(default_factory=list)  # (offset, pcm, arrival)
+
+    def signal(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        if not self.chunks:
+            return np.zeros(0, np.float32)
+        last = max(off + len(pcm) for off, pcm, _ in self.chunks)
+        end = last if end is None else min(end, last)
+        out = np.zeros(max(end - start, 0), np.float32)
+        for off, pcm, _ in self.chunks:
+            a, b = max(off, start), min(off + len(pcm), end)
+            if a < b:
+                out[a - start:b - start] = pcm[a - off:b - off]
+        return out
+
+
+class RtcClient:
+    def __init__(self, base_url: str, *, channel_label: str = "events", codec: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.channel_label = channel_label
+        self.codec = codec
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.mic = MicrophoneTrack()
+        self.received = ReceivedAudio()
+        self.events: list[dict[str, Any]] = []
+        self.event_times: list[float] = []
+        self.session_id: str | None = None
+        self.channel = None
+        self._event_signal = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+        self._channel_open = asyncio.Event()
+
+    async def connect(self, session: dict[str, Any] | None = None) -> None:
+        transceiver = self.pc.addTransceiver(self.mic, direction="sendrecv")
+        if self.codec is not None:
+            from aiortc import RTCRtpSender
+
+            caps = [c for c in RTCRtpSender.getCapabilities("audio").codecs if c.mimeType.lower() == f"audio/{self.codec.lower()}"]
+            transceiver.setCodecPreferences(caps)
+        self.channel = self.pc.createDataChannel(self.channel_label)
+        self.channel.on("message", self._on_message)
+        self.channel.on("open", self._channel_open.set)
+
+        @self.pc.on("track")
+        def on_track(track) -> None:
+            self._tasks.append(asyncio.create_task(self._record(track)))
+
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        body: dict[str, Any] = {"sdp": self.pc.localDescription.sdp, "type": "offer"}
+        if session is not None:
+            body["session"] = session
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body) as resp:
+                data = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"offer refused: {resp.status} {data}")
+        self.session_id = data["session_id"]
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=data["sdp"], type="answer"))
+        await asyncio.wait_for(self._channel_open.wait(), 20)
+
+    async def _record(self, track) -> None:
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            arrival = time.monotonic()
+            offset = int(frame.pts * frame.time_base * RATE) if frame.pts is not None else 0
+            pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in resampler.resample(frame)] or
+                                 [np.zeros(0, np.float32)])
+            self.received.chunks.append((offset, pcm.astype(np.float32), arrival))
+
+    def _on_message(self, message: str) -> None:
+        event = json.loads(message)
+        self.events.append(event)
+        self.event_times.append(time.monotonic())
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._event_signal:
+            self._event_signal.notify_all()
+
+    def send(self, event: dict[str, Any] | str) -> None:
+        self.channel.send(event if isinstance(event, str) else json.dumps(event))
+
+    def events_of(self, event_type: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == event_type]
+
+    async def wait_event(self, event_type: str, timeout: float = 20.0, after: int = 0, **match: Any) -> dict[str, Any]:
+        """The first event of ``event_type`` (with ``match`` fields) at index >= ``after``."""
+
+        def find() -> dict[str, Any] | None:
+            for e in self.events[after:]:
+                if e["type"] == event_type and all(e.get(k) == v for k, v in match.items()):
+                    return e
+            return None
+
+        async def wait() -> dict[str, Any]:
+            async with self._event_signal:
+                while (found := find()) is None:
+                    await self._event_signal.wait()
+                return found
+
+        return await asyncio.wait_for(wait(), timeout)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.pc.close()

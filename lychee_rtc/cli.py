@@ -1,0 +1,91 @@
+"""The ``lychee-rtc`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any, Sequence
+
+from lychee_rtc import __version__
+from lychee_rtc.config import ConfigError, Settings, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from lychee_rtc.server.app import create_app
+
+    overrides: dict[str, Any] = {}
+    if args.host is not None:
+        overrides.setdefault("server", {})["host"] = args.host
+    if args.port is not None:
+        overrides.setdefault("server", {})["port"] = args.port
+    try:
+        settings = load_settings(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"lychee-rtc: {exc}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(settings)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"lychee-rtc: cannot start engine {settings.engine.name!r}: {exc}", file=sys.stderr)
+        return 2
+    print(f"lychee-rtc {__version__}: engine {settings.engine.name!r} "
+          f"on http://{settings.server.host}:{settings.server.port}", flush=True)
+    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None)
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        settings: Settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"lychee-rtc: {exc}", file=sys.stderr)
+        return 2
+    print(settings.model_dump_json(indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lychee-rtc",
+        description="WebRTC media server and streaming pipeline for full-duplex spoken language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"lychee-rtc {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the server (echo engine unless the config says otherwise)",
+                           description="Serve WebRTC sessions: JSON offer/answer at /v1/rtc/offer, WHIP at /whip, "
+                                       "the web client at /.")
+    serve.add_argument("--config", help="profile YAML (default: configs/echo.yaml, or $LYCHEE_RTC_CONFIG)")
+    serve.add_argument("--host", help="address to listen on (overrides server.host)")
+    serve.add_argument("--port", type=int, help="port to listen on (overrides server.port)")
+    serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("config", help="print the effective settings after files, environment and defaults",
+                           description="Load and validate a profile; print the effective settings as JSON.")
+    check.add_argument("--config", help="profile YAML")
+    check.set_defaults(func=_check_config)
+
+    from lychee_rtc.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aioice").setLevel(logging.WARNING)
+    result = args.func(args)
+    if asyncio.iscoroutine(result):
+        result = asyncio.run(result)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

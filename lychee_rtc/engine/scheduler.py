@@ -1,0 +1,237 @@
+"""The scheduler: one loop per engine, one batched step per period over every slot with a due window.
+
+The event loop only moves windows, controls and events around; ``StepBackend`` methods run on a
+single worker thread, so they never block media and never run concurrently with each other.
+Per-slot input queues are bounded: when the engine falls behind real time the oldest windows are
+dropped and counted, so latency cannot grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from lychee_rtc.engine.base import (
+    CapacityError,
+    Control,
+    EngineCapabilities,
+    EngineError,
+    EngineEvent,
+    SessionOptions,
+    SlotWindow,
+    StepBackend,
+    WindowTiming,
+)
+
+log = logging.getLogger(__name__)
+
+# Events queued for a session that is not reading them (it is closing, or stuck) are bounded too.
+MAX_QUEUED_EVENTS = 4096
+
+
+@dataclass
+class SlotCounters:
+    windows_in: int = 0
+    windows_stepped: int = 0
+    windows_dropped: int = 0  # overload: the engine was behind and the oldest window was dropped
+    events_dropped: int = 0
+
+
+@dataclass
+class _Pending:
+    window: np.ndarray
+    seq: int
+    epoch: int
+    pushed_at: float
+
+
+class EngineSlot:
+    """A session's handle on one engine slot."""
+
+    def __init__(self, engine: "Engine", index: int, max_pending: int) -> None:
+        self.index = index
+        self.counters = SlotCounters()
+        self.events: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
+        self._engine = engine
+        self._windows: deque[_Pending] = deque()
+        self._controls: list[Control] = []
+        self._max_pending = max_pending
+        self.closed = False
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._engine.capabilities
+
+    def push(self, window: np.ndarray, seq: int, epoch: int) -> None:
+        if self.closed:
+            return
+        expected = self.capabilities.window_samples
+        if window.shape != (expected,):
+            raise ValueError(f"window must have shape ({expected},), got {window.shape}")
+        self.counters.windows_in += 1
+        self._windows.append(_Pending(window.astype(np.float32, copy=False), seq, epoch, time.monotonic()))
+        while len(self._windows) > self._max_pending:
+            self._windows.popleft()
+            self.counters.windows_dropped += 1
+        self._engine.wake()
+
+    def control(self, control: Control) -> None:
+        if self.closed:
+            return
+        self._controls.append(control)
+        self._engine.wake()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._windows.clear()
+        self._controls.clear()
+        await self._engine.release(self)
+
+    # --- called by the engine loop ---------------------------------------------------------------
+
+    def _deliver(self, events: list[EngineEvent]) -> None:
+        if self.closed:
+            return
+        for event in events:
+            if self.events.qsize() >= MAX_QUEUED_EVENTS:
+                self.counters.events_dropped += 1
+                continue
+            self.events.put_nowait(event)
+
+
+class Engine:
+    def __init__(self, backend: StepBackend, max_pending_windows: int = 3,
+                 on_timing: Callable[[WindowTiming], None] | None = None) -> None:
+        self.backend = backend
+        self.capabilities = backend.capabilities
+        self.max_pending_windows = max_pending_windows
+        self.on_timing = on_timing
+        self._slots: list[EngineSlot | None] = [None] * self.capabilities.max_sessions
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="engine-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for slot in list(self._slots):
+            if slot is not None:
+                await slot.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def free_slots(self) -> int:
+        return sum(1 for s in self._slots if s is None)
+
+    async def open(self, options: SessionOptions) -> EngineSlot:
+        for index, owner in enumerate(self._slots):
+            if owner is None:
+                slot = EngineSlot(self, index, self.max_pending_windows)
+                self._slots[index] = slot
+                try:
+                    await self._run(self.backend.open_slot, index, options)
+                except BaseException:
+                    self._slots[index] = None
+                    raise
+                return slot
+        raise CapacityError(f"all {len(self._slots)} engine slots are in use")
+
+    async def release(self, slot: EngineSlot) -> None:
+        if self._slots[slot.index] is not slot:
+            return
+        # The slot is reset on the worker thread, after any step that is still using it, and only
+        # then offered to a new owner.
+        try:
+            await self._run(self.backend.close_slot, slot.index)
+        finally:
+            self._slots[slot.index] = None
+            slot.events.put_nowait(None)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._step_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a backend bug must not kill every session's scheduler
+                log.exception("engine step failed")
+                for slot in self._slots:
+                    if slot is not None:
+                        slot._deliver([EngineError(epoch=-1, code="engine_step_failed",
+                                                   message="the engine failed on this step; see server log")])
+
+    async def _step_once(self) -> None:
+        batch: list[tuple[EngineSlot, SlotWindow, float]] = []
+        controls_only: list[tuple[EngineSlot, list[Control]]] = []
+        for slot in self._slots:
+            if slot is None or slot.closed:
+                continue
+            controls, slot._controls = slot._controls, []
+            if slot._windows:
+                p = slot._windows.popleft()
+                batch.append((slot, SlotWindow(slot.index, p.window, p.seq, p.epoch, tuple(controls)), p.pushed_at))
+            elif controls:
+                controls_only.append((slot, controls))
+        for slot, controls in controls_only:
+            events = await self._run(self.backend.apply_controls, slot.index, controls)
+            slot._deliver(events)
+        if not batch:
+            return
+        started = time.monotonic()
+        results = await self._run(self.backend.step, [w for _, w, _ in batch])
+        step_ms = (time.monotonic() - started) * 1000.0
+        self.steps += 1
+        for (slot, window, pushed_at), events in zip(batch, results):
+            slot.counters.windows_stepped += 1
+            # A backend may report its vocoder share with a WindowTiming of its own; fold it in.
+            vocoder_ms = sum(e.vocoder_ms for e in events if isinstance(e, WindowTiming))
+            events = [e for e in events if not isinstance(e, WindowTiming)]
+            timing = WindowTiming(
+                window_seq=window.window_seq,
+                queue_wait_ms=(started - pushed_at) * 1000.0,
+                step_ms=step_ms,
+                vocoder_ms=vocoder_ms,
+                batch_size=len(batch),
+            )
+            if self.on_timing is not None:
+                self.on_timing(timing)
+            slot._deliver([*events, timing])
+        # Windows that arrived during the step are due now.
+        if any(s is not None and (s._windows or s._controls) for s in self._slots):
+            self._wake.set()
+

@@ -1,0 +1,63 @@
+"""Inbound audio: every remote audio track is consumed, decoded frames resampled to the engine's
+rate (mono float32) with one stateful PyAV resampler, and handed to the session's window clock.
+
+Loss shows up as a jump in the frames' timestamps; it is reported to the session as a gap so the
+missing time keeps its place (as silence) instead of shifting everything after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import av
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from lychee_rtc.media.resample import frame_to_mono_float
+from lychee_rtc.session.session import DuplexSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InboundCounters:
+    frames: int = 0
+    gaps: int = 0
+    gap_seconds: float = 0.0
+    reordered_frames: int = 0  # older than what was already consumed: dropped
+    bad_frames: int = 0
+
+
+async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counters: InboundCounters) -> None:
+    rate = session.capabilities.input_rate
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+    expected: float | None = None  # stream time (s) where the next frame should start
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        if session.closed:
+            return
+        counters.frames += 1
+        if frame.pts is not None and frame.time_base is not None and frame.sample_rate:
+            start = float(frame.pts * frame.time_base)
+            duration = frame.samples / frame.sample_rate
+            if expected is not None:
+                delta = start - expected
+                if delta > duration / 2:
+                    counters.gaps += 1
+                    counters.gap_seconds += delta
+                    session.push_gap(round(delta * rate))
+                elif delta < -duration / 2:
+                    counters.reordered_frames += 1
+                    continue
+            expected = start + duration
+        try:
+            samples = frame_to_mono_float(frame, resampler)
+        except (ValueError, av.FFmpegError) as exc:
+            counters.bad_frames += 1
+            log.warning("session %s: dropping undecodable audio frame: %s", session.id, exc)
+            continue
+        if len(samples):
+            session.push_audio(samples)

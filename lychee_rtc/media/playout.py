@@ -1,0 +1,141 @@
+"""The playout buffer: engine PCM of one epoch, waiting to be paced out.
+
+A buffer belongs to exactly one epoch. On interruption the track drops the whole object and starts
+a new one, so a producer still holding the old buffer (or writing with an old epoch) can never put
+audio into the live stream. Each response gets its own resampler for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from lychee_rtc.media.resample import PcmResampler
+
+
+@dataclass(frozen=True)
+class PlayoutMark:
+    """Something that happened inside a frame read from the buffer."""
+
+    kind: str  # "started" | "finished"
+    response_id: str
+    offset: int  # sample offset inside the frame just read
+    played_samples: int = 0  # for "finished": samples of this response that were played
+
+
+@dataclass
+class _Segment:
+    response_id: str
+    samples: np.ndarray
+    end: bool = False  # marks the end of its response; carries no samples
+
+
+@dataclass
+class PlayoutCounters:
+    written_samples: int = 0
+    played_samples: int = 0
+    overflow_samples: int = 0  # dropped because the buffer hit its bound
+    underrun_samples: int = 0  # silence played while a response was still expected to continue
+
+
+class PlayoutBuffer:
+    def __init__(self, epoch: int, in_rate: int, out_rate: int, max_samples: int) -> None:
+        self.epoch = epoch
+        self.in_rate = in_rate
+        self.out_rate = out_rate
+        self.max_samples = max_samples
+        self.counters = PlayoutCounters()
+        self._segments: deque[_Segment] = deque()
+        self._size = 0
+        self._writer: tuple[str, PcmResampler] | None = None
+        self._playing: str | None = None  # response whose samples are being read
+        self._played: dict[str, int] = {}  # played samples per response, for the ledger
+
+    @property
+    def depth_samples(self) -> int:
+        return self._size
+
+    @property
+    def playing(self) -> tuple[str, int] | None:
+        """(response_id, samples played so far) of the response currently audible."""
+        if self._playing is None:
+            return None
+        return self._playing, self._played.get(self._playing, 0)
+
+    def played_samples(self, response_id: str) -> int:
+        return self._played.get(response_id, 0)
+
+    def write(self, response_id: str, pcm: np.ndarray) -> None:
+        resampler = self._resampler_for(response_id)
+        self._append(response_id, resampler.process(pcm))
+
+    def end_response(self, response_id: str) -> None:
+        if self._writer is not None and self._writer[0] == response_id:
+            self._append(response_id, self._writer[1].flush())
+            self._writer = None
+        self._segments.append(_Segment(response_id, np.zeros(0, np.float32), end=True))
+
+    def read(self, n: int) -> tuple[np.ndarray, list[PlayoutMark]]:
+        out = np.zeros(n, dtype=np.float32)
+        marks: list[PlayoutMark] = []
+        pos = 0
+        while pos < n and self._segments:
+            seg = self._segments[0]
+            if seg.end:
+                self._segments.popleft()
+                marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.get(seg.response_id, 0)))
+                if self._playing == seg.response_id:
+                    self._playing = None
+                continue
+            if self._playing != seg.response_id:
+                self._playing = seg.response_id
+                self._played.setdefault(seg.response_id, 0)
+                marks.append(PlayoutMark("started", seg.response_id, pos))
+            take = min(n - pos, len(seg.samples))
+            out[pos:pos + take] = seg.samples[:take]
+            seg.samples = seg.samples[take:]
+            pos += take
+            self._size -= take
+            self._played[seg.response_id] += take
+            if len(seg.samples) == 0:
+                self._segments.popleft()
+        self.counters.played_samples += pos
+        if pos < n and self._playing is not None:
+            self.counters.underrun_samples += n - pos
+        # A response that ended exactly on the frame boundary reports its end now, not a frame late.
+        if self._segments and self._segments[0].end:
+            seg = self._segments.popleft()
+            marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.get(seg.response_id, 0)))
+            if self._playing == seg.response_id:
+                self._playing = None
+        return out, marks
+
+    def _resampler_for(self, response_id: str) -> PcmResampler:
+        if self._writer is None or self._writer[0] != response_id:
+            if self._writer is not None:  # previous response never ended: keep its tail
+                self._append(self._writer[0], self._writer[1].flush())
+            self._writer = (response_id, PcmResampler(self.in_rate, self.out_rate))
+        return self._writer[1]
+
+    def _append(self, response_id: str, samples: np.ndarray) -> None:
+        if len(samples) == 0:
+            return
+        self._segments.append(_Segment(response_id, samples))
+        self._size += len(samples)
+        self.counters.written_samples += len(samples)
+        # Bounded: drop the oldest audio rather than grow (end markers stay); a paced producer
+        # never gets here.
+        excess = self._size - self.max_samples
+        if excess <= 0:
+            return
+        for seg in self._segments:
+            if excess <= 0:
+                break
+            drop = min(len(seg.samples), excess)
+            seg.samples = seg.samples[drop:]
+            excess -= drop
+            self._size -= drop
+            self.counters.overflow_samples += drop
+        self._segments = deque(s for s in self._segments if s.end or len(s.samples))

@@ -1,0 +1,85 @@
+"""Checks on offered SDP before it reaches aiortc, which accepts some garbage silently."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class SdpError(ValueError):
+    """The offer is malformed (HTTP 400) or acceptable SDP we cannot serve (``unprocessable``, 422)."""
+
+    def __init__(self, message: str, unprocessable: bool = False) -> None:
+        super().__init__(message)
+        self.unprocessable = unprocessable
+
+
+@dataclass(frozen=True)
+class MediaSection:
+    kind: str
+    port: int
+    payload_types: tuple[str, ...]
+    rtpmap: dict[str, str]  # payload type -> "opus/48000/2"
+    direction: str
+
+
+def parse_media_sections(sdp: str) -> list[MediaSection]:
+    sections: list[MediaSection] = []
+    current: dict | None = None
+    for line in sdp.splitlines():
+        if line.startswith("m="):
+            if current is not None:
+                sections.append(MediaSection(**current))
+            parts = line[2:].split()
+            if len(parts) < 3 or not parts[1].split("/")[0].isdigit():
+                raise SdpError(f"malformed media line {line!r}")
+            current = {"kind": parts[0], "port": int(parts[1].split("/")[0]), "payload_types": tuple(parts[3:]),
+                       "rtpmap": {}, "direction": "sendrecv"}
+        elif current is not None and line.startswith("a=rtpmap:"):
+            pt, _, codec = line[len("a=rtpmap:"):].partition(" ")
+            current["rtpmap"][pt] = codec.strip()
+        elif current is not None and line[2:] in ("sendrecv", "sendonly", "recvonly", "inactive") and line.startswith("a="):
+            current["direction"] = line[2:]
+    if current is not None:
+        sections.append(MediaSection(**current))
+    return sections
+
+
+def validate_offer(sdp: str) -> list[MediaSection]:
+    if not sdp.strip():
+        raise SdpError("SDP offer is empty")
+    lines = sdp.strip().splitlines()
+    if lines[0].strip() != "v=0":
+        raise SdpError("SDP offer must start with 'v=0'")
+    for line in lines:
+        if not re.match(r"^[a-z]=", line):
+            raise SdpError(f"malformed SDP line {line[:60]!r}: expected '<letter>=<value>'")
+    for field in ("o=", "s=", "t="):
+        if not any(line.startswith(field) for line in lines):
+            raise SdpError(f"SDP offer has no '{field}' line")
+    sections = parse_media_sections(sdp)
+    if not sections:
+        raise SdpError("SDP offer has no media sections")
+    if not any(s.kind == "audio" and s.port != 0 for s in sections):
+        raise SdpError("SDP offer has no active audio media section (m=audio)", unprocessable=True)
+    if "a=ice-ufrag:" not in sdp or "a=ice-pwd:" not in sdp:
+        raise SdpError("SDP offer lacks ICE credentials (a=ice-ufrag / a=ice-pwd)")
+    if "a=fingerprint:" not in sdp:
+        raise SdpError("SDP offer lacks a DTLS fingerprint (a=fingerprint)")
+    return sections
+
+
+def negotiated_audio_codec(answer_sdp: str) -> tuple[str, int] | None:
+    """(codec name, clock rate) of the first payload of the first active audio section."""
+    for section in parse_media_sections(answer_sdp):
+        if section.kind == "audio" and section.port != 0 and section.payload_types:
+            codec = section.rtpmap.get(section.payload_types[0], "")
+            name, _, rest = codec.partition("/")
+            rate = int(rest.split("/")[0]) if rest else 8000
+            return name, rate
+    return None
+
+
+def ice_ufrag(sdp: str) -> str | None:
+    m = re.search(r"^a=ice-ufrag:(\S+)", sdp, re.MULTILINE)
+    return m.group(1) if m else None

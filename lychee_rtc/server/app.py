@@ -1,0 +1,309 @@
+"""The aiohttp application: signaling (JSON offer/answer and WHIP), health, sessions, metrics, web/.
+
+The HTTP contract is written down in signaling/openapi.yaml; tests check this server against it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+import jsonschema
+from aiohttp import web
+
+from lychee_rtc import __version__
+from lychee_rtc.config import Settings
+from lychee_rtc.engine.base import SessionOptions
+from lychee_rtc.engine.factory import build_backend
+from lychee_rtc.engine.scheduler import Engine
+from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.server.metrics import ServerMetrics
+from lychee_rtc.server.sessions import RtcCall, ServerFull, SessionManager
+from lychee_rtc.session.protocol import validator
+
+log = logging.getLogger(__name__)
+
+SETTINGS_KEY = web.AppKey("settings", Settings)
+MANAGER_KEY = web.AppKey("manager", SessionManager)
+ENGINE_KEY = web.AppKey("engine", Engine)
+METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+
+WHIP_PATCH_TYPE = "application/trickle-ice-sdpfrag"
+CORS_EXPOSE = "Location, ETag, Link, Accept-Patch, Accept-Post, Retry-After"
+CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type, If-Match"
+
+
+def _error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"type": error_type, "code": code, "message": message}},
+                             status=status, headers=headers)
+
+
+def _full(exc: ServerFull) -> web.Response:
+    return _error(503, "server_full", "all sessions are in use; retry later", "server_error",
+                  {"Retry-After": str(exc.retry_after_s)})
+
+
+def _sdp_error(exc: SdpError) -> web.Response:
+    return _error(422 if exc.unprocessable else 400, "unprocessable_sdp" if exc.unprocessable else "invalid_sdp",
+                  str(exc))
+
+
+# --- middleware ------------------------------------------------------------------------------------
+
+
+@web.middleware
+async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    settings = request.app[SETTINGS_KEY]
+    origins = settings.server.cors_origins
+    origin = request.headers.get("Origin")
+    allow = "*" if "*" in origins else (origin if origin in origins else None)
+    if request.method == "OPTIONS":
+        response: web.StreamResponse = web.Response(status=204)
+        if request.path.startswith("/whip"):
+            response.headers["Accept-Post"] = "application/sdp"
+            response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
+    else:
+        token = settings.server.auth_token
+        protected = request.path.startswith(("/v1/", "/whip"))
+        if token and protected and request.headers.get("Authorization") != f"Bearer {token}":
+            response = _error(401, "unauthorized", "missing or wrong bearer token",
+                              headers={"WWW-Authenticate": "Bearer"})
+        else:
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                if exc.status >= 400 and exc.content_type != "application/json":
+                    response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+                    for k in ("Allow",):
+                        if k in exc.headers:
+                            response.headers[k] = exc.headers[k]
+                else:
+                    raise
+    if allow is not None:
+        response.headers["Access-Control-Allow-Origin"] = allow
+        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE
+        if request.method == "OPTIONS":
+            response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
+            response.headers["Access-Control-Allow-Headers"] = CORS_HEADERS
+            response.headers["Access-Control-Max-Age"] = "600"
+        if allow != "*":
+            response.headers["Vary"] = "Origin"
+    return response
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+async def _read_text(request: web.Request, limit: int) -> str:
+    if request.content_length is not None and request.content_length > limit:
+        raise SdpError(f"body of {request.content_length} bytes exceeds {limit}")
+    body = await request.content.read(limit + 1)
+    if len(body) > limit:
+        raise SdpError(f"body exceeds {limit} bytes")
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SdpError("body is not UTF-8 text") from None
+
+
+def _session_options(raw: dict[str, Any] | None) -> tuple[SessionOptions, bool]:
+    if not raw:
+        return SessionOptions(), False
+    options = SessionOptions(**{k: raw[k] for k in ("voice", "temperature", "seed", "instructions") if k in raw})
+    return options, bool(raw.get("metrics", False))
+
+
+def _ice_links(settings: Settings) -> list[str]:
+    links = []
+    for server in settings.rtc.ice_servers:
+        for url in server.urls:
+            link = f'<{url}>; rel="ice-server"'
+            if server.username is not None:
+                link += f'; username="{server.username}"; credential="{server.credential or ""}"'
+                link += '; credential-type="password"'
+            links.append(link)
+    return links
+
+
+def _whip_headers(request: web.Request, call: RtcCall) -> dict[str, str]:
+    return {"ETag": call.etag, "Accept-Patch": WHIP_PATCH_TYPE}
+
+
+# --- handlers --------------------------------------------------------------------------------------
+
+
+async def offer(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER_KEY]
+    try:
+        text = await _read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
+    except SdpError as exc:
+        return _error(413 if "exceeds" in str(exc) else 400, "invalid_body", str(exc))
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return _error(400, "invalid_json", f"request body is not valid JSON: {exc.msg} at position {exc.pos}")
+    if not isinstance(body, dict):
+        return _error(400, "invalid_request", "request body must be a JSON object")
+    if not isinstance(body.get("sdp"), str):
+        return _error(400, "invalid_request", "field 'sdp' (string) is required")
+    if body.get("type") != "offer":
+        return _error(400, "invalid_request", "field 'type' must be \"offer\"")
+    unknown = set(body) - {"sdp", "type", "session"}
+    if unknown:
+        return _error(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+    raw_session = body.get("session")
+    if raw_session is not None:
+        errors = list(validator("session_config").iter_errors(raw_session))
+        if errors:
+            where = "/".join(str(p) for p in errors[0].path)
+            return _error(400, "invalid_session", f"session{'/' + where if where else ''}: {errors[0].message}")
+    options, metrics = _session_options(raw_session)
+    try:
+        call = await manager.create(body["sdp"], options)
+    except ServerFull as exc:
+        return _full(exc)
+    except SdpError as exc:
+        return _sdp_error(exc)
+    call.session.metrics_enabled = metrics
+    return web.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+                              "session_id": call.session.id})
+
+
+async def whip_post(request: web.Request) -> web.Response:
+    if request.content_type != "application/sdp":
+        return _error(415, "unsupported_media_type", "WHIP offers must be sent as application/sdp")
+    manager = request.app[MANAGER_KEY]
+    try:
+        sdp = await _read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
+        call = await manager.create(sdp, whip=True)
+    except ServerFull as exc:
+        return _full(exc)
+    except SdpError as exc:
+        return _sdp_error(exc)
+    location = f"/whip/{call.session.id}"
+    headers = {"Location": location, **_whip_headers(request, call)}
+    response = web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
+                            headers=headers)
+    for link in _ice_links(request.app[SETTINGS_KEY]):
+        response.headers.add("Link", link)
+    return response
+
+
+def _call_or_404(request: web.Request) -> RtcCall | web.Response:
+    call = request.app[MANAGER_KEY].calls.get(request.match_info["session_id"])
+    if call is None:
+        return _error(404, "session_not_found", f"no session {request.match_info['session_id']!r}")
+    return call
+
+
+async def whip_patch(request: web.Request) -> web.Response:
+    call = _call_or_404(request)
+    if isinstance(call, web.Response):
+        return call
+    if request.content_type != WHIP_PATCH_TYPE:
+        return _error(415, "unsupported_media_type", f"PATCH bodies must be {WHIP_PATCH_TYPE}",
+                      headers={"Accept-Patch": WHIP_PATCH_TYPE})
+    if_match = request.headers.get("If-Match")
+    if if_match is not None and if_match not in ("*", call.etag):
+        return _error(412, "etag_mismatch", "If-Match does not match the session's ICE entity tag")
+    try:
+        fragment = await _read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
+        await request.app[MANAGER_KEY].add_remote_candidates(call, fragment)
+    except SdpError as exc:
+        return _sdp_error(exc)
+    return web.Response(status=204, headers=_whip_headers(request, call))
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    call = _call_or_404(request)
+    if isinstance(call, web.Response):
+        return call
+    await request.app[MANAGER_KEY].close(call.session.id, "deleted")
+    return web.Response(status=200)
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER_KEY]
+    return web.json_response({
+        "capacity": manager.capacity,
+        "free": manager.free,
+        "sessions": [call.snapshot() for call in manager.calls.values()],
+    })
+
+
+async def get_session(request: web.Request) -> web.Response:
+    call = _call_or_404(request)
+    if isinstance(call, web.Response):
+        return call
+    return web.json_response(call.snapshot())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "version": __version__})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER_KEY]
+    engine = request.app[ENGINE_KEY]
+    body = {"engine": engine.capabilities.name, "capacity": manager.capacity, "free": manager.free}
+    if not engine.running:
+        return web.json_response({"status": "starting", **body}, status=503)
+    if manager.free <= 0:
+        return web.json_response({"status": "full", **body}, status=503,
+                                 headers={"Retry-After": str(request.app[SETTINGS_KEY].session.retry_after_s)})
+    return web.json_response({"status": "ready", **body})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m = request.app[METRICS_KEY]
+    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    page = request.app[SETTINGS_KEY].web_root / "index.html"
+    if not page.is_file():
+        return _error(404, "not_found", "web client not installed")
+    return web.FileResponse(page)
+
+
+# --- application -----------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings, engine: Engine | None = None) -> web.Application:
+    app = web.Application(middlewares=[cors_and_auth], client_max_size=settings.server.max_sdp_bytes)
+    if engine is None:
+        engine = Engine(build_backend(settings), settings.session.max_pending_windows)
+    server_metrics = ServerMetrics()
+    app[SETTINGS_KEY] = settings
+    app[ENGINE_KEY] = engine
+    app[METRICS_KEY] = server_metrics
+    app[MANAGER_KEY] = SessionManager(settings, engine, server_metrics)
+
+    app.router.add_post("/v1/rtc/offer", offer)
+    app.router.add_get("/v1/sessions", list_sessions)
+    app.router.add_get("/v1/sessions/{session_id}", get_session)
+    app.router.add_delete("/v1/sessions/{session_id}", delete_session)
+    app.router.add_post("/whip", whip_post)
+    app.router.add_patch("/whip/{session_id}", whip_patch)
+    app.router.add_delete("/whip/{session_id}", delete_session)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    if settings.metrics.enabled:
+        app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", index)
+    if settings.web_root.is_dir():
+        app.router.add_static("/static/", settings.web_root, show_index=False)
+
+    async def on_startup(app: web.Application) -> None:
+        await app[ENGINE_KEY].start()
+
+    async def on_shutdown(app: web.Application) -> None:
+        await app[MANAGER_KEY].close_all("server_shutdown")
+        await app[ENGINE_KEY].stop()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    return app

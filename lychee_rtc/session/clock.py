@@ -1,0 +1,134 @@
+"""The session's window clock (ARCHITECTURE section 3).
+
+Uplink audio is cut into exact windows of ``window_samples``. The clock is driven by two inputs:
+``write`` (decoded samples, appended at the uplink's stream position) and ``gap`` (samples the
+uplink lost, known from RTP timestamps). A window that is not full by its deadline,
+``t0 + (k + 1) * window + grace``, is completed with silence and counted as an underrun; samples
+that arrive afterwards for that closed window are dropped and counted as late. The model is thus
+clocked by wall time and never stalled by the network, while everything is counted in samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Window:
+    seq: int
+    samples: np.ndarray  # float32, exactly window_samples long
+    silence_filled: int  # samples of this window that were filled because the uplink was late
+
+
+@dataclass
+class ClockCounters:
+    windows: int = 0
+    underruns: int = 0  # windows closed by their deadline rather than by samples
+    silence_samples: int = 0  # samples filled at deadlines
+    gap_samples: int = 0  # samples the uplink reported lost (filled with silence in place)
+    late_samples: int = 0  # samples that arrived after their window had closed
+
+
+class WindowClock:
+    def __init__(self, window_samples: int, sample_rate: int, grace_s: float) -> None:
+        if window_samples <= 0 or sample_rate <= 0:
+            raise ValueError("window_samples and sample_rate must be positive")
+        self.window_samples = window_samples
+        self.sample_rate = sample_rate
+        self.grace_s = grace_s
+        self.counters = ClockCounters()
+        self._t0: float | None = None
+        self._seq = 0  # index of the open window
+        self._buf = np.zeros(window_samples, dtype=np.float32)
+        self._filled = 0  # samples of the open window written so far (from the front)
+        self._received = 0  # uplink stream position of the next sample to arrive
+
+    @property
+    def started(self) -> bool:
+        return self._t0 is not None
+
+    @property
+    def window_s(self) -> float:
+        return self.window_samples / self.sample_rate
+
+    def start(self, now: float) -> None:
+        if self._t0 is None:
+            self._t0 = now
+
+    def deadline(self, seq: int | None = None) -> float | None:
+        if self._t0 is None:
+            return None
+        k = self._seq if seq is None else seq
+        return self._t0 + (k + 1) * self.window_s + self.grace_s
+
+    def write(self, samples: np.ndarray, now: float) -> list[Window]:
+        """Append uplink samples; returns the windows this completes."""
+        self.start(now)
+        out = self.poll(now)
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        start = self._received
+        self._received += len(samples)
+        cursor = self._seq * self.window_samples + self._filled
+        if start < cursor:  # the head belongs to windows already closed by their deadline
+            late = min(cursor - start, len(samples))
+            self.counters.late_samples += late
+            samples = samples[late:]
+            start += late
+        while len(samples):
+            take = min(self.window_samples - self._filled, len(samples))
+            self._buf[self._filled:self._filled + take] = samples[:take]
+            self._filled += take
+            samples = samples[take:]
+            if self._filled == self.window_samples:
+                out.append(self._close(silence=0))
+        return out
+
+    def gap(self, n: int, now: float) -> list[Window]:
+        """The uplink lost ``n`` samples (RTP timestamps jumped): keep their place as silence."""
+        if n <= 0:
+            return []
+        self.start(now)
+        out = self.poll(now)
+        start = self._received
+        self._received += n
+        cursor = self._seq * self.window_samples + self._filled
+        lost_end = start + n
+        if lost_end <= cursor:
+            return out
+        fill = lost_end - max(start, cursor)
+        self.counters.gap_samples += fill
+        out += self._fill_silence(fill)
+        return out
+
+    def poll(self, now: float) -> list[Window]:
+        """Close every window whose deadline has passed, filling what is missing with silence."""
+        out: list[Window] = []
+        if self._t0 is None:
+            return out
+        while now >= self.deadline():
+            missing = self.window_samples - self._filled
+            self._buf[self._filled:] = 0.0
+            self.counters.underruns += 1
+            self.counters.silence_samples += missing
+            out.append(self._close(silence=missing))
+        return out
+
+    def _fill_silence(self, n: int) -> list[Window]:
+        out = []
+        while n > 0:
+            take = min(self.window_samples - self._filled, n)
+            self._buf[self._filled:self._filled + take] = 0.0
+            self._filled += take
+            n -= take
+            if self._filled == self.window_samples:
+                out.append(self._close(silence=0))
+        return out
+
+    def _close(self, silence: int) -> Window:
+        window = Window(self._seq, self._buf.copy(), silence)
+        self._seq += 1
+        self._filled = 0
+        self.counters.windows += 1
+        return window

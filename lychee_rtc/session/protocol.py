@@ -1,0 +1,114 @@
+"""The data-channel protocol: client messages validated against signaling/events.schema.json.
+
+The schema is the single definition of the wire format; this module turns a raw message into a
+checked ``ClientEvent`` or a ``ProtocolError`` with an OpenAI-style error class and code, and
+stamps outgoing server events with their ``seq``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "signaling" / "events.schema.json"
+MAX_MESSAGE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ClientEvent:
+    type: str
+    payload: dict[str, Any]
+
+    @property
+    def event_id(self) -> str | None:
+        return self.payload.get("event_id")
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, event_id: str | None = None,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.event_id = event_id
+        self.error_type = error_type
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+@lru_cache(maxsize=64)
+def validator(definition: str) -> jsonschema.protocols.Validator:
+    schema = load_schema()
+    sub = {"$schema": schema["$schema"], "$defs": schema["$defs"], "$ref": f"#/$defs/{definition}"}
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(sub)
+
+
+def client_event_types() -> list[str]:
+    return sorted(k[len("client."):] for k in load_schema()["$defs"] if k.startswith("client."))
+
+
+def server_event_types() -> list[str]:
+    return sorted(k[len("server."):] for k in load_schema()["$defs"] if k.startswith("server."))
+
+
+def parse_client_event(raw: str | bytes) -> ClientEvent:
+    if isinstance(raw, bytes):
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise ProtocolError("message_too_large", f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("invalid_json", "binary message is not UTF-8 JSON") from None
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("message_too_large", f"message of {len(raw)} characters exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("invalid_json", f"message is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("invalid_event", "an event must be a JSON object")
+    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+    etype = data.get("type")
+    if not isinstance(etype, str):
+        raise ProtocolError("invalid_event", "missing string field 'type'", event_id)
+    if etype not in client_event_types():
+        raise ProtocolError("unknown_event", f"unknown event type {etype!r}", event_id)
+    errors = sorted(validator(f"client.{etype}").iter_errors(data), key=lambda e: list(e.path))
+    if errors:
+        err = errors[0]
+        where = "/".join(str(p) for p in err.path) or "<event>"
+        raise ProtocolError("invalid_event", f"{etype}: {where}: {err.message}", event_id)
+    return ClientEvent(etype, data)
+
+
+def validate_server_event(event: dict[str, Any]) -> None:
+    """Raise jsonschema.ValidationError if ``event`` does not match its server definition."""
+    validator(f"server.{event['type']}").validate(event)
+
+
+class EventStamper:
+    """Gives each server event its monotonically increasing ``seq`` and an ``event_id``."""
+
+    def __init__(self) -> None:
+        self._seq = itertools.count(1)
+
+    def stamp(self, event_type: str, **fields: Any) -> dict[str, Any]:
+        seq = next(self._seq)
+        return {"type": event_type, "seq": seq, "event_id": f"evt_{seq}", **fields}
+
+
+def error_body(err: ProtocolError) -> dict[str, Any]:
+    body: dict[str, Any] = {"type": err.error_type, "code": err.code, "message": err.message}
+    if err.event_id is not None:
+        body["event_id"] = err.event_id
+    return body

@@ -1,0 +1,477 @@
+"""The duplex session: epochs, response ids, turn state, the event protocol and the window clock.
+
+Transport-agnostic: the transport feeds decoded 16 kHz audio in (``push_audio`` / ``push_gap``),
+hands client messages to ``handle_message``, plays what the session writes into its ``AudioSink``
+and reports playout marks back. Everything here runs on one event loop, which is what makes the
+interrupt sequence of ARCHITECTURE section 4 atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from lychee_rtc.config import SessionSettings
+from lychee_rtc.engine.base import (
+    AudioChunk,
+    BargeIn,
+    CodecTokens,
+    Control,
+    ControlKind,
+    EngineError,
+    EngineEvent,
+    ResponseDone,
+    ResponseStarted,
+    SessionOptions,
+    SpeechStarted,
+    SpeechStopped,
+    TextDelta,
+    TurnState,
+    WindowTiming,
+)
+from lychee_rtc.engine.scheduler import EngineSlot
+from lychee_rtc.session.clock import WindowClock
+from lychee_rtc.session.ledger import ResponseLedger, ResponseRecord
+from lychee_rtc.session.protocol import ClientEvent, EventStamper, ProtocolError, error_body, parse_client_event
+from lychee_rtc.session.sink import AudioSink
+
+log = logging.getLogger(__name__)
+
+# Above this much unsent data on the channel, optional events (metrics) are dropped.
+CHANNEL_HIGH_WATER = 1 << 20
+RESPONSE_SCOPED = (ResponseStarted, TextDelta, CodecTokens, AudioChunk, ResponseDone, BargeIn, TurnState)
+
+
+@dataclass
+class SessionCounters:
+    messages_in: int = 0
+    bad_messages: int = 0
+    events_out: int = 0
+    events_dropped: int = 0
+    stale_engine_events: int = 0
+    stale_audio_chunks: int = 0
+    interruptions: int = 0
+    input_samples: int = 0
+
+
+class SessionObserver:
+    """Hooks for metrics; the server installs one, tests may ignore it."""
+
+    def window_timing(self, timing: WindowTiming) -> None: ...
+    def interruption(self, latency_s: float) -> None: ...
+    def stale_chunk(self) -> None: ...
+    def first_audio(self, seconds: float) -> None: ...
+
+
+class DuplexSession:
+    def __init__(
+        self,
+        session_id: str,
+        settings: SessionSettings,
+        slot: EngineSlot,
+        sink: AudioSink,
+        *,
+        engine_name: str,
+        clock: Callable[[], float] = time.monotonic,
+        observer: SessionObserver | None = None,
+    ) -> None:
+        caps = slot.capabilities
+        self.id = session_id
+        self.settings = settings
+        self.slot = slot
+        self.sink = sink
+        self.engine_name = engine_name
+        self.capabilities = caps
+        self.clock = clock
+        self.observer = observer or SessionObserver()
+        self.epoch = 0
+        self.state = "listening"
+        self.held = False
+        self.options = SessionOptions()
+        self.metrics_enabled = False
+        self.created_at = clock()
+        self.last_audio_at: float | None = None
+        self.counters = SessionCounters()
+        self.ledger = ResponseLedger()
+        self.active_response: str | None = None
+        self.window_clock = WindowClock(caps.window_samples, caps.input_rate, settings.window_grace_ms / 1000.0)
+        self.closed = False
+        self.close_reason: str | None = None
+        self.on_close: Callable[[str], Any] | None = None
+        self._stamper = EventStamper()
+        self._outbox: deque[str] = deque()
+        self._send: Callable[[str], None] | None = None
+        self._buffered: Callable[[], int] = lambda: 0
+        self._tasks: list[asyncio.Task] = []
+        self._clock_wake = asyncio.Event()
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._engine_events(), name=f"session-{self.id}-events"),
+            asyncio.create_task(self._clock_loop(), name=f"session-{self.id}-clock"),
+        ]
+        self.emit("session.created", session=self.describe())
+
+    async def close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        self.state = "closed"
+        if self.active_response is not None:
+            self._finish_response(self.active_response, "cancelled", reason)
+        self.emit("session.closed", reason=reason)
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        await self.slot.close()
+        if self.on_close is not None:
+            result = self.on_close(reason)
+            if asyncio.iscoroutine(result):
+                await result
+
+    def describe(self) -> dict[str, Any]:
+        caps = self.capabilities
+        return {
+            "id": self.id,
+            "epoch": self.epoch,
+            "engine": self.engine_name,
+            "voice": self.options.voice,
+            "temperature": self.options.temperature,
+            "seed": self.options.seed,
+            "instructions": self.options.instructions,
+            "metrics": self.metrics_enabled,
+            "input_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.input_rate,
+                                   "window_samples": caps.window_samples},
+            "output_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.output_rate},
+            "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """State and counters for GET /v1/sessions."""
+        clock = self.window_clock.counters
+        slot = self.slot.counters
+        return {
+            "session_id": self.id,
+            "state": self.state,
+            "epoch": self.epoch,
+            "engine": self.engine_name,
+            "active_response": self.active_response,
+            "age_s": round(self.clock() - self.created_at, 3),
+            "counters": {
+                **asdict(self.counters),
+                **{f"window_{k}": v for k, v in asdict(clock).items()},
+                "engine_windows_in": slot.windows_in,
+                "engine_windows_stepped": slot.windows_stepped,
+                "engine_windows_dropped": slot.windows_dropped,
+                "responses": self.ledger.total,
+                "playout_depth_ms": round(self.sink.depth_ms, 1),
+            },
+        }
+
+    # --- the transport's side ----------------------------------------------------------------------
+
+    def attach_channel(self, send: Callable[[str], None], buffered: Callable[[], int] = lambda: 0) -> None:
+        self._send, self._buffered = send, buffered
+        while self._outbox:
+            self._transmit(self._outbox.popleft())
+
+    def detach_channel(self) -> None:
+        self._send = None
+
+    def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
+        if self.closed:
+            return
+        now = self.clock() if now is None else now
+        self.last_audio_at = now
+        self.counters.input_samples += len(samples)
+        self._forward_windows(self.window_clock.write(samples, now))
+
+    def push_gap(self, n: int, now: float | None = None) -> None:
+        if self.closed:
+            return
+        now = self.clock() if now is None else now
+        self.last_audio_at = now
+        self._forward_windows(self.window_clock.gap(n, now))
+
+    def poll_clock(self, now: float | None = None) -> None:
+        self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))
+
+    def _forward_windows(self, windows) -> None:
+        for window in windows:
+            self.slot.push(window.samples, window.seq, self.epoch)
+        self._clock_wake.set()
+
+    async def _clock_loop(self) -> None:
+        while True:
+            deadline = self.window_clock.deadline()
+            if deadline is None:
+                await self._clock_wake.wait()
+                self._clock_wake.clear()
+                continue
+            delay = deadline - self.clock()
+            if delay > 0:
+                self._clock_wake.clear()
+                try:
+                    await asyncio.wait_for(self._clock_wake.wait(), timeout=delay)
+                    continue  # windows moved on; recompute the deadline
+                except asyncio.TimeoutError:
+                    pass
+            self.poll_clock()
+
+    # --- events out --------------------------------------------------------------------------------
+
+    def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
+        event = self._stamper.stamp(event_type, **fields)
+        text = json.dumps(event, separators=(",", ":"))
+        if self._send is None:
+            self._outbox.append(text)
+            while len(self._outbox) > self.settings.event_buffer:
+                self._outbox.popleft()
+                self.counters.events_dropped += 1
+        elif event_type == "metrics" and self._buffered() > CHANNEL_HIGH_WATER:
+            self.counters.events_dropped += 1
+        else:
+            self._transmit(text)
+        return event
+
+    def _transmit(self, text: str) -> None:
+        try:
+            assert self._send is not None
+            self._send(text)
+            self.counters.events_out += 1
+        except Exception:  # the channel closed under us; the peer's close path ends the session
+            self.counters.events_dropped += 1
+
+    def _error(self, err: ProtocolError) -> None:
+        self.counters.bad_messages += 1
+        self.emit("error", error=error_body(err))
+
+    # --- client messages ---------------------------------------------------------------------------
+
+    def handle_message(self, raw: str | bytes) -> None:
+        self.counters.messages_in += 1
+        try:
+            event = parse_client_event(raw)
+            self._dispatch(event)
+        except ProtocolError as err:
+            self._error(err)
+
+    def _dispatch(self, ev: ClientEvent) -> None:
+        p = ev.payload
+        if ev.type == "response.cancel":
+            wanted = p.get("response_id")
+            if self.active_response is None:
+                raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel", ev.event_id)
+            if wanted is not None and wanted != self.active_response:
+                raise ProtocolError("response_not_found",
+                                    f"response {wanted!r} is not the response in progress", ev.event_id)
+            self.interrupt("client_cancel")
+        elif ev.type == "input_audio_buffer.commit":
+            self.slot.control(Control(ControlKind.COMMIT, self.epoch))
+            self.emit("input_audio_buffer.committed", epoch=self.epoch)
+        elif ev.type == "turn.listen":
+            if self.active_response is not None:
+                self.interrupt("turn.listen")
+            self.held = True
+            self.slot.control(Control(ControlKind.FORCE_LISTEN, self.epoch))
+            self._set_state("held", "turn.listen")
+        elif ev.type == "turn.release":
+            self.held = False
+            self.slot.control(Control(ControlKind.RELEASE_LISTEN, self.epoch))
+            self._set_state("listening", "turn.release")
+        elif ev.type == "session.update":
+            self._update(p["session"], ev.event_id)
+        elif ev.type == "playback.ack":
+            record = self.ledger.get(p["response_id"])
+            if record is None:
+                raise ProtocolError("response_not_found", f"unknown response {p['response_id']!r}", ev.event_id)
+            record.client_played_ms = float(p["played_ms"])
+        elif ev.type == "ping":
+            fields: dict[str, Any] = {"server_time": time.time(), "epoch": self.epoch}
+            if "client_time" in p:
+                fields["client_time"] = p["client_time"]
+            self.emit("pong", **fields)
+        elif ev.type == "session.close":
+            asyncio.get_running_loop().create_task(self.close("client_closed"))
+        else:  # the schema and this dispatcher disagree: a server bug, said plainly
+            raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id, "server_error")
+
+    def _update(self, fields: dict[str, Any], event_id: str | None) -> None:
+        voice = fields.get("voice", self.options.voice)
+        voices = self.capabilities.voices
+        if voice is not None and voices and voice not in voices:
+            raise ProtocolError("invalid_voice", f"voice {voice!r} is not one of {list(voices)}", event_id)
+        if voice is not None and not voices:
+            raise ProtocolError("invalid_voice", f"engine {self.engine_name!r} has no selectable voices", event_id)
+        changes = {k: fields[k] for k in ("voice", "temperature", "seed", "instructions") if k in fields}
+        self.options = replace(self.options, **changes)
+        if "metrics" in fields:
+            self.metrics_enabled = bool(fields["metrics"])
+        self.slot.control(Control(ControlKind.UPDATE, self.epoch, self.options))
+        self.emit("session.updated", session=self.describe())
+
+    # --- interruption ------------------------------------------------------------------------------
+
+    def interrupt(self, reason: str) -> None:
+        """The epoch contract: bump, cut playout, cancel the engine, then tell the client."""
+        started = time.perf_counter()
+        old_epoch = self.epoch
+        self.epoch += 1
+        report = self.sink.cut(self.epoch)
+        self.slot.control(Control(ControlKind.CANCEL, self.epoch))
+        self.counters.interruptions += 1
+        response_id = self.active_response or report.response_id
+        record = self.ledger.get(response_id)
+        if record is not None and record.status == "in_progress":
+            if report.response_id == response_id:
+                record.played_samples, record.rate = report.played_samples, report.rate
+            rate = report.rate
+            self.emit(
+                "output_audio_buffer.cleared",
+                epoch=old_epoch,
+                response_id=response_id,
+                new_epoch=self.epoch,
+                sample_offset=report.sample_offset,
+                sample_rate=rate,
+                audio_ms=1000.0 * report.sample_offset / rate,
+                played_ms=record.played_ms,
+                discarded_ms=1000.0 * report.discarded_samples / rate,
+            )
+            self._finish_response(response_id, "cancelled", reason)
+        self.observer.interruption(time.perf_counter() - started)
+        self._set_state("held" if self.held else "listening", reason)
+
+    def _finish_response(self, response_id: str, status: str, reason: str) -> None:
+        record = self.ledger.get(response_id)
+        if record is None or record.status != "in_progress":
+            return
+        record.status, record.reason = status, reason
+        if self.active_response == response_id:
+            self.active_response = None
+        self.emit(
+            "response.done",
+            epoch=record.epoch,
+            response_id=response_id,
+            response={
+                "id": response_id,
+                "epoch": record.epoch,
+                "status": status,
+                "status_details": {"reason": reason} if reason else None,
+                "played_ms": record.played_ms,
+            },
+        )
+
+    def _set_state(self, state: str, reason: str, probabilities: dict[str, float] | None = None) -> None:
+        self.state = state
+        fields: dict[str, Any] = {"epoch": self.epoch, "state": state, "reason": reason}
+        if probabilities:
+            fields["probabilities"] = probabilities
+        self.emit("turn.state", **fields)
+
+    # --- playout marks (from the sink) -------------------------------------------------------------
+
+    def on_playout_started(self, epoch: int, response_id: str, sample_offset: int, rate: int) -> None:
+        record = self.ledger.get(response_id)
+        if record is None or epoch != self.epoch:
+            return
+        record.audible, record.rate = True, rate
+        self.emit("output_audio_buffer.started", epoch=epoch, response_id=response_id,
+                  sample_offset=sample_offset, sample_rate=rate, audio_ms=1000.0 * sample_offset / rate)
+
+    def on_playout_finished(self, epoch: int, response_id: str, played_samples: int, sample_offset: int,
+                            rate: int) -> None:
+        record = self.ledger.get(response_id)
+        if record is None or epoch != self.epoch or record.status != "in_progress":
+            return
+        record.played_samples, record.rate = played_samples, rate
+        if record.audible:
+            self.emit("output_audio_buffer.stopped", epoch=epoch, response_id=response_id,
+                      sample_offset=sample_offset, sample_rate=rate, audio_ms=1000.0 * sample_offset / rate,
+                      played_ms=record.played_ms)
+        self._finish_response(response_id, record.final_status, record.reason)
+
+    # --- engine events -----------------------------------------------------------------------------
+
+    async def _engine_events(self) -> None:
+        while True:
+            event = await self.slot.events.get()
+            if event is None:
+                return
+            try:
+                self._on_engine_event(event)
+            except Exception:
+                log.exception("session %s: failed to handle %s", self.id, type(event).__name__)
+
+    def _on_engine_event(self, ev: EngineEvent) -> None:
+        if isinstance(ev, RESPONSE_SCOPED) and ev.epoch < self.epoch:
+            self.counters.stale_engine_events += 1
+            if isinstance(ev, AudioChunk):
+                self.counters.stale_audio_chunks += 1
+                self.observer.stale_chunk()
+            return
+        if isinstance(ev, AudioChunk):
+            record = self.ledger.get(ev.response_id)
+            if record is not None and record.first_audio_at is None:
+                record.first_audio_at = self.clock()
+                self.observer.first_audio(record.first_audio_at - record.created_at)
+            if not self.sink.write(ev.epoch, ev.response_id, ev.pcm):
+                self.counters.stale_audio_chunks += 1
+                self.observer.stale_chunk()
+        elif isinstance(ev, ResponseStarted):
+            if self.active_response is not None:  # the engine moved on without closing the last one
+                self._finish_response(self.active_response, "incomplete", "superseded")
+            self.ledger.add(ResponseRecord(ev.response_id, ev.epoch, created_at=self.clock()))
+            self.active_response = ev.response_id
+            self.emit("response.created", epoch=ev.epoch, response_id=ev.response_id,
+                      response={"id": ev.response_id, "epoch": ev.epoch, "status": "in_progress"})
+        elif isinstance(ev, TextDelta):
+            self.emit("response.output_audio_transcript.delta", epoch=ev.epoch, response_id=ev.response_id,
+                      delta=ev.text, token_ids=list(ev.token_ids))
+        elif isinstance(ev, CodecTokens):
+            self.emit("response.output_audio_codes.delta", epoch=ev.epoch, response_id=ev.response_id,
+                      codes=list(ev.codes), vocoder=False,
+                      note="this engine runs without a vocoder: speech codes only, no audio is sent")
+        elif isinstance(ev, ResponseDone):
+            record = self.ledger.get(ev.response_id)
+            if record is None or record.status != "in_progress":
+                return
+            record.generation_done = True
+            record.final_status, record.reason = ev.status, ev.reason
+            # The response is done for the client when its last sample has played (sink reports it).
+            self.sink.end_response(ev.epoch, ev.response_id)
+        elif isinstance(ev, BargeIn):
+            if ev.response_id == self.active_response:
+                self.interrupt(ev.reason)
+        elif isinstance(ev, TurnState):
+            if not self.held:
+                self._set_state(ev.state, ev.reason, ev.probabilities)
+        elif isinstance(ev, SpeechStarted):
+            self.emit("input_audio_buffer.speech_started", epoch=self.epoch,
+                      audio_start_ms=1000.0 * ev.sample / self.capabilities.input_rate)
+            if self.settings.vad_barge_in and self.active_response is not None:
+                self.interrupt("barge_in")
+        elif isinstance(ev, SpeechStopped):
+            self.emit("input_audio_buffer.speech_stopped", epoch=self.epoch,
+                      audio_end_ms=1000.0 * ev.sample / self.capabilities.input_rate)
+        elif isinstance(ev, WindowTiming):
+            self.observer.window_timing(ev)
+            if self.metrics_enabled:
+                self.emit("metrics", window_seq=ev.window_seq, queue_wait_ms=round(ev.queue_wait_ms, 3),
+                          step_ms=round(ev.step_ms, 3), vocoder_ms=round(ev.vocoder_ms, 3),
+                          batch_size=ev.batch_size,
+                          deadline_ms=1000.0 * self.capabilities.window_samples / self.capabilities.input_rate,
+                          playout_depth_ms=round(self.sink.depth_ms, 1))
+        elif isinstance(ev, EngineError):
+            self._error(ProtocolError(ev.code, ev.message, None,
+                                      "invalid_request_error" if ev.code.startswith("input_") else "server_error"))
