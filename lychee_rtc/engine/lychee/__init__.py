@@ -1,0 +1,1 @@
+"""The ``lychee`` engine backend: Lychee-FD in PyTorch (model, loader, runner, StepBackend)."""
