@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
+from aiortc.exceptions import OperationError
 from aiortc.sdp import candidate_from_sdp
 
 from lychee_rtc.config import Settings
@@ -118,14 +119,17 @@ class SessionManager:
         track.listener = session
         call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip)
         self._wire(call)
+        # The transceiver exists before the offer is applied so that our codec preferences shape the
+        # negotiation (aiortc picks the common codecs while applying the remote description).
+        transceiver = pc.addTransceiver(track, direction="sendrecv")
+        transceiver.setCodecPreferences(self._codec_preferences())
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
-            self._prefer_codecs(pc)
-            pc.addTrack(track)
             await pc.setLocalDescription(await pc.createAnswer())
-        except SdpError:
+        except OperationError:
             await self._abandon(call)
-            raise
+            offered = ", ".join(self.settings.rtc.codecs)
+            raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True) from None
         except Exception as exc:  # aiortc's parsers raise assorted errors on bad SDP
             await self._abandon(call)
             raise SdpError(f"cannot use SDP offer: {exc}") from None
@@ -145,13 +149,10 @@ class SessionManager:
         call.tasks.append(asyncio.create_task(self._watchdog(call), name=f"watchdog-{session_id}"))
         return call
 
-    def _prefer_codecs(self, pc: RTCPeerConnection) -> None:
+    def _codec_preferences(self) -> list:
         available = {c.mimeType.lower(): c for c in RTCRtpSender.getCapabilities("audio").codecs}
-        prefs = [available[CODEC_MIME[name].lower()] for name in self.settings.rtc.codecs
-                 if CODEC_MIME[name].lower() in available]
-        for transceiver in pc.getTransceivers():
-            if transceiver.kind == "audio":
-                transceiver.setCodecPreferences(prefs)
+        return [available[CODEC_MIME[name].lower()] for name in self.settings.rtc.codecs
+                if CODEC_MIME[name].lower() in available]
 
     def _wire(self, call: RtcCall) -> None:
         pc, session = call.pc, call.session

@@ -1,0 +1,79 @@
+"""Shared fixtures: synthesised speech and a real server on a loopback port."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import socket
+import subprocess
+import wave
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from lychee_rtc.config import load_settings
+from lychee_rtc.media.resample import PcmResampler
+from lychee_rtc.server.app import create_app
+
+
+def synthesize(text: str, rate: int = 48000, voice: str = "en") -> np.ndarray:
+    """Speech from espeak-ng, resampled to ``rate`` mono float32."""
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        pytest.fail("espeak-ng is required for the speech fixtures (.ci/run installs it)")
+    wav = subprocess.run([exe, "-v", voice, "-s", "160", "--stdout", text], capture_output=True, check=True).stdout
+    with wave.open(io.BytesIO(wav)) as w:
+        src_rate = w.getframerate()
+    # espeak-ng streams its WAV with an unknown length in the header; the data starts at byte 44.
+    pcm = np.frombuffer(wav[44:], dtype=np.int16).astype(np.float32) / 32768.0
+    r = PcmResampler(src_rate, rate)
+    return np.concatenate([r.process(pcm), r.flush()])
+
+
+@pytest.fixture(scope="session")
+def utterance() -> np.ndarray:
+    return synthesize("Hello there. This is a test of the echo engine, one two three.")
+
+
+@pytest.fixture(scope="session")
+def long_utterance() -> np.ndarray:
+    return synthesize("The quick brown fox jumps over the lazy dog, and then it runs far away "
+                      "across the green hills towards the river, where it rests until the evening comes.")
+
+
+@pytest.fixture(scope="session")
+def interjection() -> np.ndarray:
+    return synthesize("Wait, stop, stop please, I have a question for you.", voice="en+f3")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@asynccontextmanager
+async def running_server(config: str = "configs/echo.yaml", **overrides: Any) -> AsyncIterator[tuple[str, web.Application]]:
+    port = free_port()
+    merged: dict[str, Any] = {"server": {"port": port}}
+    for section, values in overrides.items():
+        merged.setdefault(section, {}).update(values)
+    settings = load_settings(config, environ={}, overrides=merged)
+    app = create_app(settings)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def echo_server() -> AsyncIterator[tuple[str, web.Application]]:
+    async with running_server() as server:
+        yield server

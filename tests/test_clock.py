@@ -1,0 +1,60 @@
+import numpy as np
+
+from lychee_rtc.session.clock import WindowClock
+
+W = 6400
+RATE = 16000
+
+
+def ramp(start: int, n: int) -> np.ndarray:
+    return (np.arange(start, start + n) % 1000 / 1000.0).astype(np.float32)
+
+
+def test_exact_windows_from_arbitrary_chunks():
+    clock = WindowClock(W, RATE, grace_s=0.1)
+    out = []
+    pos = 0
+    for size in [320] * 25 + [123, 4000, 9000, 77]:
+        out += clock.write(ramp(pos, size), now=0.0)
+        pos += size
+    assert [w.seq for w in out] == list(range(len(out)))
+    assert all(w.samples.shape == (W,) and w.samples.dtype == np.float32 for w in out)
+    np.testing.assert_array_equal(np.concatenate([w.samples for w in out]), ramp(0, len(out) * W))
+    assert clock.counters.underruns == 0 and clock.counters.late_samples == 0
+
+
+def test_deadline_fills_silence_and_late_samples_are_dropped():
+    clock = WindowClock(W, RATE, grace_s=0.1)
+    first = clock.write(ramp(0, 3200), now=0.0)  # half a window, then the uplink stalls
+    assert first == []
+    assert clock.poll(now=0.49) == []  # before 0.4 s + grace
+    closed = clock.poll(now=0.51)
+    assert len(closed) == 1 and closed[0].silence_filled == 3200
+    np.testing.assert_array_equal(closed[0].samples[:3200], ramp(0, 3200))
+    assert not np.any(closed[0].samples[3200:])
+    # The stalled samples finally arrive: the part for the closed window is late, the rest is used.
+    out = clock.write(ramp(3200, 3200 + W), now=0.52)
+    assert clock.counters.late_samples == 3200
+    assert len(out) == 1
+    np.testing.assert_array_equal(out[0].samples, ramp(W, W))
+    assert clock.counters.underruns == 1 and clock.counters.silence_samples == 3200
+
+
+def test_gap_keeps_the_time_position_of_later_audio():
+    clock = WindowClock(W, RATE, grace_s=0.1)
+    out = clock.write(ramp(0, 1000), now=0.0)
+    out += clock.gap(500, now=0.01)
+    out += clock.write(ramp(1500, W - 1500), now=0.02)
+    assert len(out) == 1
+    expected = ramp(0, W)
+    expected[1000:1500] = 0
+    np.testing.assert_array_equal(out[0].samples, expected)
+    assert clock.counters.gap_samples == 500
+
+
+def test_long_stall_closes_every_due_window():
+    clock = WindowClock(W, RATE, grace_s=0.0)
+    clock.write(ramp(0, 10), now=0.0)
+    out = clock.poll(now=2.0)  # five windows due
+    assert [w.seq for w in out] == [0, 1, 2, 3, 4]
+    assert clock.counters.underruns == 5

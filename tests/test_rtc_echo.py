@@ -1,0 +1,307 @@
+"""Real WebRTC calls (aiortc client <-> server over loopback) against the echo engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import aiohttp
+import numpy as np
+import pytest
+
+from conftest import running_server
+from lychee_rtc.bench.client import RATE, RtcClient
+from lychee_rtc.media.resample import PcmResampler
+from lychee_rtc.session.protocol import validate_server_event
+
+SILENCE = np.zeros(RATE // 2, np.float32)
+# Opus's algorithmic delay (6.5 ms) means the decoded stream carries the last few milliseconds of
+# what was encoded before a cut; audio after that, by RTP timestamp, must be the new epoch's.
+CODEC_DELAY = RATE // 100
+
+
+def through_16k(x: np.ndarray) -> np.ndarray:
+    """What survives the engine's 16 kHz input path, for content comparisons."""
+    down, up = PcmResampler(RATE, 16000), PcmResampler(16000, RATE)
+    y = np.concatenate([down.process(x), down.flush()])
+    return np.concatenate([up.process(y), up.flush()])
+
+
+def envelope(x: np.ndarray, hop: int = 480) -> np.ndarray:
+    n = len(x) // hop
+    return np.sqrt(np.mean(x[: n * hop].reshape(n, hop) ** 2, axis=1)) if n else np.zeros(0)
+
+
+def best_match(haystack: np.ndarray, needle: np.ndarray) -> float:
+    """Peak normalised correlation of 10 ms energy envelopes (robust to codec phase changes).
+
+    The needle is trimmed to its voiced part and slid over the zero-padded haystack.
+    """
+    b = envelope(needle)
+    voiced = np.flatnonzero(b > 0.1 * b.max())
+    b = b[voiced[0]:voiced[-1] + 1]
+    a = np.concatenate([np.zeros(len(b)), envelope(haystack), np.zeros(len(b))])
+    b = (b - b.mean()) / (b.std() + 1e-9)
+    best = -1.0
+    for lag in range(len(a) - len(b) + 1):
+        w = a[lag:lag + len(b)]
+        if w.std() < 1e-6:
+            continue
+        best = max(best, float(np.mean((w - w.mean()) / w.std() * b)))
+    return best
+
+
+def assert_subsequence(types: list[str], expected: list[str]) -> None:
+    it = iter(types)
+    missing = [e for e in expected if not any(t == e for t in it)]
+    assert not missing, f"events out of order or missing {missing}; got {types}"
+
+
+def assert_server_events_valid(client: RtcClient) -> None:
+    seqs = [e["seq"] for e in client.events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    for event in client.events:
+        validate_server_event(event)
+
+
+async def test_echo_answers_a_spoken_utterance(echo_server, utterance):
+    url, _ = echo_server
+    client = RtcClient(url)
+    await client.connect()
+    try:
+        client.mic.feed(SILENCE)
+        client.mic.feed(utterance)
+        done = await client.wait_event("response.done", timeout=40)
+        assert done["response"]["status"] == "completed"
+        types = [e["type"] for e in client.events]
+        assert_subsequence(types, [
+            "session.created", "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+            "response.created", "turn.state", "output_audio_buffer.started", "output_audio_buffer.stopped",
+            "response.done",
+        ])
+        assert_server_events_valid(client)
+        started = client.events_of("output_audio_buffer.started")[0]
+        stopped = client.events_of("output_audio_buffer.stopped")[0]
+        assert started["response_id"] == stopped["response_id"] == done["response_id"]
+        await asyncio.sleep(0.3)  # the last frames are still in flight when the event arrives
+        echo = client.received.signal(started["sample_offset"], stopped["sample_offset"])
+        # The echo is the utterance itself: same length (within VAD padding) and the same content.
+        assert abs(len(echo) - len(utterance)) < 0.5 * RATE
+        assert best_match(echo, through_16k(utterance)) > 0.8
+        # And nothing was played before the answer started.
+        assert np.max(np.abs(client.received.signal(0, started["sample_offset"] - 960))) < 0.01
+    finally:
+        await client.close()
+
+
+async def test_client_cancel_cuts_the_answer_and_no_stale_audio_follows(echo_server, long_utterance):
+    url, _ = echo_server
+    client = RtcClient(url)
+    await client.connect()
+    try:
+        client.mic.feed(SILENCE)
+        client.mic.feed(long_utterance)
+        started = await client.wait_event("output_audio_buffer.started", timeout=60)
+        await asyncio.sleep(1.0)
+        client.send({"type": "response.cancel", "event_id": "c1"})
+        cleared = await client.wait_event("output_audio_buffer.cleared", timeout=10)
+        done = await client.wait_event("response.done", timeout=10)
+        assert done["response"]["status"] == "cancelled"
+        assert cleared["epoch"] == 0 and cleared["new_epoch"] == 1
+        assert cleared["response_id"] == started["response_id"] == done["response_id"]
+        assert client.events.index(cleared) < client.events.index(done)
+        assert 600 < cleared["played_ms"] < 2500 and cleared["discarded_ms"] > 0
+        await asyncio.sleep(1.5)  # collect whatever still arrives
+
+        cut = cleared["sample_offset"]
+        played = client.received.signal(started["sample_offset"], cut)
+        after = client.received.signal(cut + CODEC_DELAY)
+        reference = through_16k(long_utterance)
+        # Before the cut: the start of the utterance. After it: silence, by content, not only by events.
+        assert best_match(played, reference[: len(played)]) > 0.8
+        assert len(after) > RATE  # the stream went on (silence frames), so there was time to leak
+        assert np.max(np.abs(after)) < 0.01, "audio of the cancelled epoch left the server after the cut"
+        assert [e["type"] for e in client.events].count("response.created") == 1
+        assert_server_events_valid(client)
+    finally:
+        await client.close()
+
+
+async def test_user_barge_in_interrupts_then_the_new_utterance_is_answered(echo_server, long_utterance, interjection):
+    url, _ = echo_server
+    client = RtcClient(url)
+    await client.connect()
+    try:
+        client.mic.feed(SILENCE)
+        client.mic.feed(long_utterance)
+        first = await client.wait_event("output_audio_buffer.started", timeout=60)
+        await asyncio.sleep(0.8)
+        client.mic.feed(interjection)
+        cleared = await client.wait_event("output_audio_buffer.cleared", timeout=10)
+        cancelled = await client.wait_event("response.done", timeout=10, response_id=first["response_id"])
+        assert cancelled["response"]["status"] == "cancelled"
+        assert cancelled["response"]["status_details"]["reason"] == "barge_in"
+        second = await client.wait_event("output_audio_buffer.started", timeout=60,
+                                         after=client.events.index(cleared))
+        assert second["epoch"] == 1 and second["response_id"] != first["response_id"]
+        await client.wait_event("response.done", timeout=60, response_id=second["response_id"])
+        await asyncio.sleep(0.3)
+
+        gap = client.received.signal(cleared["sample_offset"] + CODEC_DELAY, second["sample_offset"])
+        assert np.max(np.abs(gap)) < 0.01, "old-epoch audio after the cut"
+        answer = client.received.signal(second["sample_offset"])
+        assert best_match(answer, through_16k(interjection)) > 0.7
+        assert_server_events_valid(client)
+    finally:
+        await client.close()
+
+
+async def test_turn_listen_holds_and_commit_answers_at_once(utterance):
+    # A long end-of-speech silence so only commit (or release) can make it answer in time.
+    async with running_server(engine={"echo": {"min_silence_ms": 8000}}) as (url, _):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            client.send({"type": "turn.listen"})
+            await client.wait_event("turn.state", state="held")
+            client.mic.feed(SILENCE)
+            client.mic.feed(utterance)
+            await client.wait_event("input_audio_buffer.speech_started", timeout=20)
+            await asyncio.sleep(len(utterance) / RATE + 0.5)
+            client.send({"type": "input_audio_buffer.commit"})
+            await client.wait_event("input_audio_buffer.committed")
+            await asyncio.sleep(1.0)
+            assert not client.events_of("response.created"), "held session answered"
+            client.send({"type": "turn.release"})
+            created = await client.wait_event("response.created", timeout=10)
+            done = await client.wait_event("response.done", timeout=30, response_id=created["response_id"])
+            assert done["response"]["status"] == "completed"
+
+            # Not held: commit answers at once, long before the 8 s end-of-speech silence.
+            n = len(client.events)
+            client.mic.feed(utterance)
+            await client.wait_event("input_audio_buffer.speech_started", timeout=20, after=n)
+            await asyncio.sleep(len(utterance) / RATE)
+            client.send({"type": "input_audio_buffer.commit"})
+            created = await client.wait_event("response.created", timeout=5, after=n)
+            await client.wait_event("response.done", timeout=30, response_id=created["response_id"])
+            # Commit with nothing buffered is an error, and the session lives on.
+            client.send({"type": "input_audio_buffer.commit", "event_id": "empty"})
+            err = await client.wait_event("error", timeout=10)
+            assert err["error"]["code"] == "input_audio_buffer_commit_empty"
+            assert_server_events_valid(client)
+        finally:
+            await client.close()
+
+
+BAD_MESSAGES = [
+    ("{oops", "invalid_json"),
+    ("[1, 2, 3]", "invalid_event"),
+    (json.dumps({"type": 5}), "invalid_event"),
+    (json.dumps({"type": "response.explode", "event_id": "e1"}), "unknown_event"),
+    (json.dumps({"type": "session.update", "session": {"temperature": "hot"}}), "invalid_event"),
+    (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "invalid_voice"),
+    (json.dumps({"type": "playback.ack", "response_id": "resp_x", "played_ms": -1}), "invalid_event"),
+    (json.dumps({"type": "playback.ack", "response_id": "resp_x", "played_ms": 5}), "response_not_found"),
+    (json.dumps({"type": "response.cancel"}), "response_cancel_not_active"),
+    ("x" * 70000, "message_too_large"),
+]
+
+
+async def test_malformed_events_get_errors_and_the_session_lives_on(echo_server):
+    url, _ = echo_server
+    client = RtcClient(url, channel_label="oai-events")
+    await client.connect()
+    try:
+        await client.wait_event("session.created")
+        for raw, _ in BAD_MESSAGES:
+            client.send(raw)
+        for _ in range(100):
+            if len(client.events_of("error")) >= len(BAD_MESSAGES):
+                break
+            await asyncio.sleep(0.05)
+        codes = [e["error"]["code"] for e in client.events_of("error")]
+        assert codes == [code for _, code in BAD_MESSAGES]
+        assert client.events_of("error")[3]["error"]["event_id"] == "e1"
+        client.send({"type": "session.update", "session": {"metrics": True, "temperature": 0.7}})
+        updated = await client.wait_event("session.updated")
+        assert updated["session"]["metrics"] is True and updated["session"]["temperature"] == 0.7
+        client.send({"type": "ping", "client_time": 123.5})
+        pong = await client.wait_event("pong")
+        assert pong["client_time"] == 123.5 and pong["epoch"] == 0
+        client.mic.feed(SILENCE)
+        metrics = await client.wait_event("metrics", timeout=10)
+        assert metrics["deadline_ms"] == 400 and metrics["step_ms"] >= 0
+        assert_server_events_valid(client)
+    finally:
+        await client.close()
+
+
+async def test_g711_call_echoes(utterance):
+    async with running_server() as (url, app):
+        client = RtcClient(url, codec="PCMU")
+        await client.connect()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/sessions/{client.session_id}") as resp:
+                    assert (await resp.json())["codec"] == "PCMU"
+            client.mic.feed(SILENCE)
+            client.mic.feed(utterance)
+            started = await client.wait_event("output_audio_buffer.started", timeout=40)
+            assert started["sample_rate"] == 8000
+            await client.wait_event("response.done", timeout=40)
+            await asyncio.sleep(0.3)
+            echo = client.received.signal(started["sample_offset"] * 6)
+            assert best_match(echo, through_16k(utterance)) > 0.7
+        finally:
+            await client.close()
+
+
+VANISHING_CLIENT = textwrap.dedent("""
+    import asyncio, sys, numpy as np
+    from lychee_rtc.bench.client import RtcClient
+    async def main():
+        c = RtcClient(sys.argv[1])
+        await c.connect()
+        c.mic.feed(np.zeros(48000 * 60, np.float32))
+        print(c.session_id, flush=True)
+        await asyncio.sleep(3600)
+    asyncio.run(main())
+""")
+
+
+async def test_a_client_that_vanishes_frees_its_slot():
+    async with running_server(session={"max_sessions": 1, "media_timeout_s": 1.5}) as (url, _):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", VANISHING_CLIENT, url, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            session_id = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+            assert session_id.startswith("sess_")
+            async with aiohttp.ClientSession() as http:
+                await asyncio.sleep(1.0)
+                async with http.get(f"{url}/v1/sessions") as resp:
+                    body = await resp.json()
+                assert [s["session_id"] for s in body["sessions"]] == [session_id]
+                assert body["sessions"][0]["counters"]["window_windows"] >= 1
+                proc.send_signal(signal.SIGKILL)  # no close, no BYE: the peer just disappears
+                await proc.wait()
+                freed = None
+                for i in range(150):
+                    async with http.get(f"{url}/v1/sessions") as resp:
+                        if not (await resp.json())["sessions"]:
+                            freed = i * 0.1
+                            break
+                    await asyncio.sleep(0.1)
+                assert freed is not None, "the vanished client's slot was never freed"
+                async with http.get(f"{url}/readyz") as resp:
+                    assert resp.status == 200
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
