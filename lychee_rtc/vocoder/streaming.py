@@ -213,10 +213,9 @@ class VocoderStream:
         return []
 
     def _hift_noise(self, mel_frames: int) -> torch.Tensor:
-        shape = self.model.hift.noise_shape(1, mel_frames)
         if self.noise_override is not None:
-            return self.noise_override(shape).to(self.model.device)
-        return torch.randn(shape, generator=self._generator, device=self.model.device)
+            return self.noise_override(self.model.hift.noise_shape(1, mel_frames)).to(self.model.device)
+        return self.model.hift.draw_noise(1, mel_frames, self._generator, self.model.device)
 
     def _emit(self, speech: torch.Tensor) -> list[EngineEvent]:
         if not self.fence.admits(self.epoch):

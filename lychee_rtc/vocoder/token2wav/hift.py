@@ -125,6 +125,14 @@ class HiFTGenerator(nn.Module):
     def noise_shape(self, batch: int, mel_frames: int) -> tuple[int, int, int]:
         return (batch, mel_frames * self.cfg.samples_per_frame, self.cfg.nb_harmonics + 1)
 
+    def draw_noise(self, batch: int, mel_frames: int, generator: torch.Generator | None = None,
+                   device=None) -> torch.Tensor:
+        """Standard normal noise [B, L, harmonics+1], filled the way the reference's
+        ``randn_like`` fills it (a [B, harmonics+1, L] buffer viewed transposed, which takes
+        torch's non-contiguous normal_ path), so a seeded generator reproduces its noise."""
+        b, n, h = self.noise_shape(batch, mel_frames)
+        return torch.empty((b, h, n), device=device).transpose(1, 2).normal_(generator=generator)
+
     def excitation(self, mel: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         f0 = self.f0_predictor(mel)  # [B, T]
         f0_up = f0.repeat_interleave(self.cfg.samples_per_frame, dim=1).unsqueeze(-1)
@@ -165,8 +173,7 @@ class HiFTGenerator(nn.Module):
         """
         mel = mel.float()
         if noise is None:
-            noise = torch.randn(self.noise_shape(mel.shape[0], mel.shape[2]), generator=generator,
-                                device=mel.device)
+            noise = self.draw_noise(mel.shape[0], mel.shape[2], generator, mel.device)
         s = self.excitation(mel, noise)
         if cache_source is not None and cache_source.shape[2] > 0:
             s[:, :, :cache_source.shape[2]] = cache_source
