@@ -1,0 +1,238 @@
+"""The ``lychee`` engine: Lychee-FD behind the ``StepBackend`` protocol.
+
+``build_lychee_backend(options, max_sessions)`` is what ``engine/factory.py`` calls with the
+profile's ``engine.lychee`` mapping. The backend owns the model, the tokenizer and a
+:class:`~lychee_rtc.engine.lychee.runner.LycheeRunner`; the scheduler calls ``step`` on its worker
+thread with every slot that has a window due.
+
+Speech leaves as :class:`CodecTokens` (25 Hz S3 codes) unless a vocoder factory is attached: then
+each slot gets its own streaming vocoder object (the seam below) and the codes become
+:class:`AudioChunk` PCM at 24 kHz, flushed on natural end and dropped on cancel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..base import (
+    AudioChunk,
+    CodecTokens,
+    Control,
+    ControlKind,
+    EngineCapabilities,
+    EngineEvent,
+    SessionOptions,
+    SlotWindow,
+    WindowTiming,
+)
+from .audio import SAMPLE_RATE, WINDOW_SAMPLES
+from .checkpoint import load_model, parse_dtype
+from .runner import LycheeRunner, RunnerSettings, SlotResult
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+OUTPUT_RATE = 24000
+
+
+class SettingsError(ValueError):
+    """A profile value under ``engine.lychee`` is wrong; the message names the key."""
+
+
+@dataclass(frozen=True)
+class LycheeEngineSettings:
+    """Profile keys under ``engine.lychee`` (see configs/lychee-c1.yaml)."""
+
+    model_root: str = ""
+    dtype: str = "bf16"
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    max_seq: int = 8192
+    start_speak_factor: float = 1.2
+    start_listen_factor: float = 1.2
+    end_speak_factor: float = 1.0
+    temperature: float = 0.7
+    no_repeat_ngram: int = 4
+    max_text_tokens: int = 128
+    max_speech_tokens: int = 1000
+    stoken_delay_num: int | None = None
+    strict_codec_range: bool = False
+    seed: int = 0
+    context_reserve_windows: int = 25
+    torch_threads: int | None = None  # CPU: 1 is fastest for the tiny model on a shared machine
+    progress: bool = True
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> "LycheeEngineSettings":
+        known = {f.name: f for f in fields(cls)}
+        for key in options:
+            if key not in known:
+                raise SettingsError(f"engine.lychee.{key}: unknown setting (known: {', '.join(sorted(known))})")
+        values = dict(options)
+        for key, value in values.items():
+            f = known[key]
+            want = str(f.type)
+            ok = True
+            if want.startswith("int"):
+                ok = value is None and "None" in want or (isinstance(value, int) and not isinstance(value, bool))
+            elif want.startswith("float"):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                values[key] = float(value) if ok else value
+            elif want.startswith("bool"):
+                ok = isinstance(value, bool)
+            elif want.startswith("str"):
+                ok = isinstance(value, str)
+            if not ok:
+                raise SettingsError(f"engine.lychee.{key}: expected {want}, got {value!r}")
+        s = cls(**values)
+        if not s.model_root:
+            raise SettingsError("engine.lychee.model_root: required (folder with config.json)")
+        if not (Path(s.model_root) / "config.json").is_file():
+            raise SettingsError(f"engine.lychee.model_root: {s.model_root} has no config.json")
+        try:
+            parse_dtype(s.dtype)
+        except ValueError as exc:
+            raise SettingsError(f"engine.lychee.dtype: {exc}") from None
+        if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
+            raise SettingsError(f"engine.lychee.device: expected auto, cpu or cuda[:N], got {s.device!r}")
+        for key in ("max_text_tokens", "max_speech_tokens"):
+            if getattr(s, key) <= 0:
+                raise SettingsError(f"engine.lychee.{key}: must be > 0")
+        if s.max_seq < 512:
+            raise SettingsError("engine.lychee.max_seq: must be >= 512")
+        if s.context_reserve_windows < 0 or s.context_reserve_windows * 10 > s.max_seq // 2:
+            raise SettingsError("engine.lychee.context_reserve_windows: must be >= 0 and leave half the context")
+        if s.no_repeat_ngram < 0:
+            raise SettingsError("engine.lychee.no_repeat_ngram: must be >= 0")
+        if s.temperature < 0:
+            raise SettingsError("engine.lychee.temperature: must be >= 0")
+        return s
+
+    def runner_settings(self) -> RunnerSettings:
+        return RunnerSettings(
+            max_seq=self.max_seq, start_speak_factor=self.start_speak_factor,
+            start_listen_factor=self.start_listen_factor, end_speak_factor=self.end_speak_factor,
+            temperature=self.temperature, no_repeat_ngram=self.no_repeat_ngram,
+            max_text_tokens=self.max_text_tokens, max_speech_tokens=self.max_speech_tokens,
+            stoken_delay_num=self.stoken_delay_num, strict_codec_range=self.strict_codec_range,
+            seed=self.seed, context_reserve_windows=self.context_reserve_windows,
+        )
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+class SlotVocoder(Protocol):
+    """The seam for a streaming Token2Wav: one object per slot, fed codes, giving 24 kHz PCM."""
+
+    def push(self, response_id: str, codes: Sequence[int], final: bool) -> list[np.ndarray]:
+        """Add codes of ``response_id``; return the float32 PCM chunks now ready (all if final)."""
+
+    def cancel(self) -> None:
+        """Drop the current stream at once (barge-in / client cancel); nothing more may come out."""
+
+
+VocoderFactory = Callable[[int, SessionOptions], SlotVocoder]
+
+
+class LycheeBackend:
+    def __init__(self, settings: LycheeEngineSettings, max_sessions: int, *,
+                 vocoder_factory: VocoderFactory | None = None) -> None:
+        if settings.torch_threads is not None:
+            torch.set_num_threads(settings.torch_threads)
+        device = settings.resolved_device()
+        t0 = time.monotonic()
+        self.model = load_model(settings.model_root, dtype=settings.dtype, device=device, progress=settings.progress)
+        self.tokenizer = Tokenizer.from_dir(settings.model_root)
+        self.runner = LycheeRunner(self.model, self.tokenizer, max_sessions, settings.runner_settings())
+        log.info("lychee engine ready in %.1fs: %s on %s, %d slots, %d positions each",
+                 time.monotonic() - t0, settings.dtype, device, max_sessions, settings.max_seq)
+        self.settings = settings
+        self.vocoder_factory = vocoder_factory
+        self.vocoders: dict[int, SlotVocoder] = {}
+        self._audio_seq: dict[int, int] = {}
+        self.capabilities = EngineCapabilities(
+            name="lychee",
+            input_rate=SAMPLE_RATE,
+            output_rate=OUTPUT_RATE,
+            window_samples=WINDOW_SAMPLES,
+            max_sessions=max_sessions,
+            barge_in=True,
+            client_cancel=True,
+            forced_listen=True,
+            commit_hint=True,
+            text_output=True,
+            audio_output="pcm" if vocoder_factory is not None else "codes",
+        )
+
+    # -- StepBackend --------------------------------------------------------------------------
+
+    def open_slot(self, slot: int, options: SessionOptions) -> None:
+        self.runner.open(slot, options)
+        if self.vocoder_factory is not None:
+            self.vocoders[slot] = self.vocoder_factory(slot, options)
+
+    def close_slot(self, slot: int) -> None:
+        voc = self.vocoders.pop(slot, None)
+        if voc is not None:
+            voc.cancel()
+        self._audio_seq.pop(slot, None)
+        self.runner.close(slot)
+
+    def apply_controls(self, slot: int, controls: Sequence[Control]) -> list[EngineEvent]:
+        if any(c.kind is ControlKind.CANCEL or c.kind is ControlKind.FORCE_LISTEN for c in controls):
+            voc = self.vocoders.get(slot)
+            if voc is not None:
+                voc.cancel()
+        return self.runner.apply_controls(slot, controls)
+
+    def step(self, windows: Sequence[SlotWindow]) -> list[list[EngineEvent]]:
+        pre: list[list[EngineEvent]] = []
+        for w in windows:
+            pre.append(self.apply_controls(w.slot, w.controls) if w.controls else [])
+        results = self.runner.step([(w.slot, w.window, w.epoch) for w in windows])
+        out: list[list[EngineEvent]] = []
+        for w, events, res in zip(windows, pre, results):
+            out.append(events + self._vocode(w.slot, res))
+        return out
+
+    # -- vocoder seam ---------------------------------------------------------------------------
+
+    def _next_audio_seq(self, slot: int) -> int:
+        self._audio_seq[slot] = self._audio_seq.get(slot, -1) + 1
+        return self._audio_seq[slot]
+
+    def _vocode(self, slot: int, res: SlotResult) -> list[EngineEvent]:
+        voc = self.vocoders.get(slot)
+        if voc is None:
+            return res.events
+        if res.cancelled:
+            voc.cancel()
+        t0 = time.monotonic()
+        events: list[EngineEvent] = []
+        for ev in res.events:
+            if isinstance(ev, CodecTokens):
+                for pcm in voc.push(ev.response_id, ev.codes, res.finished):
+                    events.append(AudioChunk(ev.epoch, ev.response_id, self._next_audio_seq(slot), pcm))
+                continue
+            if getattr(ev, "kind", "") == "response_done" and res.finished and not res.codes:
+                for pcm in voc.push(ev.response_id, (), True):  # flush the held tail
+                    events.append(AudioChunk(ev.epoch, ev.response_id, self._next_audio_seq(slot), pcm))
+            events.append(ev)
+        ms = (time.monotonic() - t0) * 1000.0
+        events.append(WindowTiming(window_seq=-1, queue_wait_ms=0.0, step_ms=0.0, vocoder_ms=ms))
+        return events
+
+
+def build_lychee_backend(options: Mapping[str, Any], max_sessions: int, *,
+                         vocoder_factory: VocoderFactory | None = None) -> LycheeBackend:
+    """Entry point for engine/factory.py: validate ``engine.lychee`` and load the model."""
+    return LycheeBackend(LycheeEngineSettings.from_mapping(options), max_sessions, vocoder_factory=vocoder_factory)

@@ -1,0 +1,515 @@
+"""The real-time Lychee-FD runner: per-slot state, one batched step per 400 ms window.
+
+Position grid (post-prefix index p, 40 ms each; window k owns positions 10k..10k+9): the tokens of
+a position are decided one position ahead, so when window k's audio arrives the tokens of 10k-1
+(slot 9 of the previous window) are known but not yet fed. A step therefore feeds positions
+10k-1..10k+8 (0..8 for the very first window, whose position 0 is the initial
+TextPad/StokenPad/Sleep) and decides 10k..10k+9:
+
+* listening slot: one forward over its 10 positions with forced TextPad/StokenPad and
+  Sleep x8, Detect; the decision for 10k+9 (K-L or S-S) comes from the last position's control
+  logits. Only two lm_head rows are evaluated.
+* speaking slot: 10 decode steps, each ``speak_step``: main stack -> text sampled -> merge with
+  E[sampled text] -> speech sampled; control forced Sleep/Detect, decided (K-S or S-L) at slot 9.
+
+All speaking slots of a step run the 10 decode steps in lockstep as one batch; all listening slots
+share one forward. Inside a window nothing is copied to the host: the tokens come back in one
+transfer at the end, where the per-slot state machine (responses, barge-in, natural end) runs.
+
+State of a slot lives in :class:`SlotState` (host) and in rows of a few device buffers indexed by
+slot (KV caches, speech history for the 4-gram rule, rule counters); closing a slot resets both.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..base import (
+    BargeIn,
+    CodecTokens,
+    Control,
+    ControlKind,
+    EngineError,
+    EngineEvent,
+    ResponseDone,
+    ResponseStarted,
+    SessionOptions,
+    TextDelta,
+    TurnState,
+)
+from .audio import encode_windows, mel_filterbank
+from .config import LycheeConfig, SpecialTokens
+from .model import LycheeFD
+from .sampling import (
+    SpeechRuleState,
+    TextRuleState,
+    control_decision,
+    sample_speech,
+    sample_text,
+)
+from .tokenizer import SYSTEM_PREFIX, IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+CHUNK = 10  # positions per 400 ms window (validated in config)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Sampling knobs and limits (reference defaults; profile keys of the same names)."""
+
+    max_seq: int = 8192  # KV positions per session, system prefix included
+    start_speak_factor: float = 1.2
+    start_listen_factor: float = 1.2
+    end_speak_factor: float = 1.0
+    temperature: float = 0.7  # speech channel; <= 0 means greedy
+    no_repeat_ngram: int = 4
+    max_text_tokens: int = 128
+    max_speech_tokens: int = 1000
+    stoken_delay_num: int | None = None  # None: config.json's value
+    strict_codec_range: bool = False  # sample only codes the vocoder accepts (< codec vocab size)
+    seed: int = 0
+    # Listening with fewer than this many windows of context left resets the conversation.
+    context_reserve_windows: int = 25
+
+
+class Mode(enum.Enum):
+    LISTENING = "listening"
+    SPEAKING = "speaking"
+
+
+@dataclass
+class SlotState:
+    index: int
+    epoch: int = 0
+    mode: Mode = Mode.LISTENING
+    # Decided tokens of every post-prefix position so far; positions < ``fed`` are in the caches.
+    text: list[int] = field(default_factory=list)
+    stoken: list[int] = field(default_factory=list)
+    control: list[int] = field(default_factory=list)
+    fed: int = 0
+    window: int = 0  # index k of the next window (it decides positions up to 10k+9)
+    force_listen: bool = False
+    commit: bool = False
+    forced_decision: int | None = None
+    response_id: str | None = None
+    seq: int = 0
+    detok: IncrementalDetokenizer | None = None
+    temperature: float = 0.7
+    generator: torch.Generator | None = None
+    codes_dropped: int = 0
+    context_resets: int = 0
+
+
+@dataclass
+class SlotResult:
+    events: list[EngineEvent]
+    codes: list[int]  # codec ids decided this window (for a vocoder)
+    response_id: str | None
+    finished: bool  # natural end: flush the vocoder
+    cancelled: bool  # stop at once: drop the vocoder stream
+
+
+class LycheeRunner:
+    def __init__(self, model: LycheeFD, tokenizer: Tokenizer, max_sessions: int, settings: RunnerSettings):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg: LycheeConfig = model.cfg
+        self.settings = settings
+        self.tok: SpecialTokens = self.cfg.resolve_tokens(tokenizer)
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.max_sessions = max_sessions
+        self.prefix_ids = tokenizer.encode(SYSTEM_PREFIX)
+        self.prefix_len = len(self.prefix_ids)
+        if settings.max_seq < self.prefix_len + 4 * CHUNK:
+            raise ValueError(f"max_seq {settings.max_seq} leaves no room after the {self.prefix_len}-token prefix")
+        self.max_post = settings.max_seq - self.prefix_len
+        model.setup_caches(max_sessions, settings.max_seq)
+        self.filters = mel_filterbank(device=self.device)
+        t = self.tok
+        delay = self.cfg.stoken_delay_num if settings.stoken_delay_num is None else settings.stoken_delay_num
+        self.speech_prefix = torch.tensor([t.stoken_delay] * delay + [t.tts_start], device=self.device)
+        self.speech_slice = slice(self.cfg.stoken_token_ids_min, self.cfg.stoken_token_ids_max)
+        self.code_lo = t.audio_code_min
+        self.code_hi = (t.audio_code_min + self.cfg.stoken_codec_vocab_size if settings.strict_codec_range
+                        else self.cfg.stoken_token_ids_max)
+        self.listen_rows = torch.tensor([t.start_speaking, t.keep_listening], device=self.device)
+        self.speak_rows = torch.tensor([t.start_listening, t.keep_speaking], device=self.device)
+        # Device rows indexed by slot: the speech channel (for the 4-gram rule) and rule counters.
+        self.speech_history = torch.full((max_sessions, self.max_post), t.stoken_pad, dtype=torch.long, device=self.device)
+        z = torch.zeros(max_sessions, dtype=torch.long, device=self.device)
+        self.text_rule = TextRuleState(z.clone(), z.clone().bool())
+        self.speech_rule = SpeechRuleState(z.clone(), z.clone(), z.clone().bool())
+        self.slots: list[SlotState | None] = [None] * max_sessions
+        self._rid_prefix = "resp_"
+
+    # ------------------------------------------------------------------------------------------
+    # slot lifecycle
+
+    def open(self, slot: int, options: SessionOptions) -> None:
+        state = SlotState(index=slot)
+        state.temperature = self.settings.temperature if options.temperature is None else options.temperature
+        seed = options.seed if options.seed is not None else self.settings.seed * 1000003 + slot
+        state.generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        self.slots[slot] = state
+        self._start_context(state)
+
+    def close(self, slot: int) -> None:
+        self._clear_rows(slot)
+        self.slots[slot] = None
+
+    def _clear_rows(self, slot: int) -> None:
+        self.model.reset_rows([slot])
+        self.speech_history[slot] = self.tok.stoken_pad
+        for t in (self.text_rule.count, self.text_rule.has_eos, self.speech_rule.prefix_count,
+                  self.speech_rule.count, self.speech_rule.has_eos):
+            t[slot] = 0
+
+    @torch.no_grad()
+    def _start_context(self, state: SlotState) -> None:
+        """Fresh conversation in this slot: prefill the system prefix, decide position 0."""
+        self._clear_rows(state.index)
+        t = self.tok
+        state.text, state.stoken, state.control = [t.text_pad], [t.stoken_pad], [t.sleep]
+        state.fed = 0
+        state.window = 0
+        state.mode = Mode.LISTENING
+        state.forced_decision = None
+        prefix = torch.tensor([self.prefix_ids], device=self.device)
+        rows = torch.tensor([state.index], device=self.device)
+        pos = torch.arange(self.prefix_len, device=self.device)[None]
+        # Merge at the last prefix position sees the first post-prefix text token, <|TextPad|>.
+        nxt = torch.tensor([self.prefix_ids[1:] + [t.text_pad]], device=self.device)
+        e = self.model.embed_tokens
+        self.model.forward_positions(e(prefix), e(nxt), self.model.context(pos, rows))
+
+    # ------------------------------------------------------------------------------------------
+    # controls
+
+    def apply_controls(self, slot: int, controls: Sequence[Control]) -> list[EngineEvent]:
+        state = self.slots[slot]
+        if state is None:
+            return []
+        events: list[EngineEvent] = []
+        for c in controls:
+            if c.kind is ControlKind.CANCEL:
+                state.epoch = max(state.epoch, c.epoch)
+                if state.mode is Mode.SPEAKING:
+                    self._stop_speaking(state)
+                    events.append(TurnState(state.epoch, "listening", "cancelled"))
+            elif c.kind is ControlKind.FORCE_LISTEN:
+                state.force_listen, state.commit = True, False
+                if state.mode is Mode.SPEAKING:  # the session cancels first; be safe if it did not
+                    self._stop_speaking(state)
+                    events.append(TurnState(state.epoch, "listening", "turn.listen"))
+            elif c.kind is ControlKind.RELEASE_LISTEN:
+                state.force_listen = False
+            elif c.kind is ControlKind.COMMIT:
+                state.commit = not state.force_listen
+            elif c.kind is ControlKind.UPDATE and c.options is not None:
+                if c.options.temperature is not None:
+                    state.temperature = c.options.temperature
+                if c.options.seed is not None and state.generator is not None:
+                    state.generator.manual_seed(int(c.options.seed))
+        return events
+
+    def _stop_speaking(self, state: SlotState) -> None:
+        """Leave speaking at a window boundary: the pending slot-9 position becomes a plain S-L
+        decision with padded text/speech, as the reference's S->L tail fallback does."""
+        t = self.tok
+        last = len(state.text) - 1
+        state.text[last], state.stoken[last], state.control[last] = t.text_pad, t.stoken_pad, t.start_listening
+        self.speech_history[state.index, last] = t.stoken_pad
+        state.mode = Mode.LISTENING
+        state.response_id = None
+        state.detok = None
+        state.forced_decision = None
+
+    # ------------------------------------------------------------------------------------------
+    # the step
+
+    @torch.no_grad()
+    def step(self, items: Sequence[tuple[int, np.ndarray, int]]) -> list[SlotResult]:
+        """One batched step over (slot, 6400-sample window, epoch) items; results in order."""
+        results: list[SlotResult] = []
+        states: list[SlotState] = []
+        for slot, _, epoch in items:
+            state = self.slots[slot]
+            if state is None:
+                raise KeyError(f"slot {slot} is not open")
+            state.epoch = max(state.epoch, epoch)
+            res = SlotResult([], [], state.response_id, False, False)
+            self._context_policy(state, res)
+            results.append(res)
+            states.append(state)
+        windows = torch.from_numpy(np.stack([np.asarray(w, dtype=np.float32) for _, w, _ in items])).to(self.device)
+        feats = encode_windows(self.model.encoder, self.model.adapter, self.filters, windows)
+
+        listen = [i for i, s in enumerate(states) if s.mode is Mode.LISTENING]
+        speak = [i for i, s in enumerate(states) if s.mode is Mode.SPEAKING]
+        for group in self._by_length(states, listen):
+            self._listen(group, states, feats, results)
+        if speak:
+            self._speak(speak, states, feats, results)
+        return results
+
+    def _by_length(self, states: list[SlotState], idx: list[int]) -> list[list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i in idx:
+            s = states[i]
+            groups.setdefault(CHUNK * s.window + CHUNK - 1 - s.fed, []).append(i)
+        return list(groups.values())
+
+    def _context_policy(self, state: SlotState, res: SlotResult) -> None:
+        """Never run past the static cache; reset the conversation while listening when close."""
+        k = state.window
+        capacity = (self.max_post - CHUNK) // CHUNK  # windows that fit after the current one
+        left = capacity - k
+        if state.mode is Mode.SPEAKING and left <= 1:
+            rid = state.response_id
+            self._stop_speaking(state)
+            res.cancelled = True
+            if rid is not None:
+                res.events.append(ResponseDone(state.epoch, rid, "incomplete", "context_limit"))
+            res.events.append(TurnState(state.epoch, "listening", "context_limit"))
+        if state.mode is Mode.LISTENING and left <= self.settings.context_reserve_windows:
+            state.context_resets += 1
+            log.info("slot %d: context limit (%d positions); conversation memory reset", state.index, self.max_post)
+            res.events.append(EngineError(state.epoch, "context_reset",
+                                          f"the model's context ({self.settings.max_seq} positions, "
+                                          f"{self.settings.max_seq * 0.04:.0f} s) is nearly full: its memory of "
+                                          "this conversation was reset; the session continues"))
+            self._start_context(state)
+
+    # -- audio channel for the positions a window feeds ---------------------------------------
+
+    def _audio_slots(self, state: SlotState, feats: Tensor, n: int) -> Tensor:
+        """(n, H): feature j of this window at position 10k+2j, E[<|AudioPad|>] elsewhere."""
+        k = state.window
+        first = state.fed
+        pad = self.model.embed_tokens.weight[self.tok.audio_pad]
+        out = pad.expand(n, -1).clone()
+        for t in range(n):
+            p = first + t
+            if p >= k * CHUNK and p % 2 == 0:
+                out[t] = feats[(p - k * CHUNK) // 2].to(out.dtype)
+        return out
+
+    def _rows(self, slots: list[int]) -> Tensor | None:
+        if slots == list(range(len(slots))):
+            return None  # the batch is cache rows 0..B-1: read the caches as views
+        return torch.tensor(slots, device=self.device)
+
+    # -- listening: one forward over the window's positions -------------------------------------
+
+    def _listen(self, group: list[int], states: list[SlotState], feats: Tensor, results: list[SlotResult]) -> None:
+        t = self.tok
+        batch = [states[i] for i in group]
+        for s in batch:  # positions up to 10k+8 are forced pads (Sleep..., Detect at slot 8)
+            for p in range(len(s.text), CHUNK * s.window + CHUNK - 1):
+                s.text.append(t.text_pad)
+                s.stoken.append(t.stoken_pad)
+                s.control.append(t.detect if p % CHUNK == CHUNK - 2 else t.sleep)
+        n = len(batch[0].text) - batch[0].fed
+        dev = self.device
+        text = torch.tensor([s.text[s.fed:] for s in batch], device=dev)
+        stoken = torch.tensor([s.stoken[s.fed:] for s in batch], device=dev)
+        control = torch.tensor([s.control[s.fed:] for s in batch], device=dev)
+        audio = torch.stack([self._audio_slots(s, feats[i], n) for s, i in zip(batch, group)])
+        pos = torch.tensor([[self.prefix_len + s.fed + j for j in range(n)] for s in batch], device=dev)
+        decision = self.listen_window(text, stoken, control, audio, pos, self._rows([s.index for s in batch]))
+        choice, probs = control_decision(decision, self.settings.start_speak_factor)
+        choice_l, probs_l = choice.tolist(), probs.tolist()  # the one host transfer of this group
+        for s, i, c, p in zip(batch, group, choice_l, probs_l):
+            s.fed += n
+            s.window += 1
+            token = t.start_speaking if c == 0 else t.keep_listening
+            if s.forced_decision is not None:
+                token = s.forced_decision
+            elif s.force_listen:
+                token = t.keep_listening
+            elif s.commit:
+                token = t.start_speaking
+            s.forced_decision = None
+            s.commit = False
+            s.text.append(t.text_pad)
+            s.stoken.append(t.stoken_pad)
+            s.control.append(token)
+            if token == t.start_speaking:
+                self._begin_response(s, results[i], {"start_speaking": p[0], "keep_listening": p[1]})
+
+    def listen_window(self, text: Tensor, stoken: Tensor, control: Tensor, audio: Tensor, input_pos: Tensor,
+                      rows: Tensor | None) -> Tensor:
+        """Feed a window's positions to every stack; return (B, 2) logits of (S-S, K-L) at the end.
+
+        Text is forced to <|TextPad|> while listening, so the merge branch's "next text" is known
+        for every position and the whole window is a single forward.
+        """
+        m = self.model
+        x = m.embed_channels(text, stoken, control, audio)
+        nxt = m.embed_tokens.weight[self.tok.text_pad].expand_as(x)
+        out = m.forward_positions(x, nxt, m.context(input_pos, rows))
+        return torch.nn.functional.linear(out.control_hidden[:, -1], m.lm_head.weight[self.listen_rows])
+
+    def _begin_response(self, s: SlotState, res: SlotResult, probs: dict[str, float]) -> None:
+        s.mode = Mode.SPEAKING
+        s.response_id = f"{self._rid_prefix}{secrets.token_hex(8)}"
+        s.seq = 0
+        s.detok = IncrementalDetokenizer(self.tokenizer)
+        i = s.index
+        for t in (self.text_rule.count, self.text_rule.has_eos, self.speech_rule.prefix_count,
+                  self.speech_rule.count, self.speech_rule.has_eos):
+            t[i] = 0
+        res.response_id = s.response_id
+        res.events.append(TurnState(s.epoch, "speaking", "model_start_speaking", probs))
+        res.events.append(ResponseStarted(s.epoch, s.response_id))
+
+    # -- speaking: 10 lockstep decode steps -------------------------------------------------------
+
+    def _speak(self, idx: list[int], states: list[SlotState], feats: Tensor, results: list[SlotResult]) -> None:
+        batch = [states[i] for i in idx]
+        dev = self.device
+        slots = [s.index for s in batch]
+        rows_t = torch.tensor(slots, device=dev)
+        audio = torch.stack([self._audio_slots(s, feats[i], CHUNK) for s, i in zip(batch, idx)])
+        pending = torch.tensor([[s.text[-1], s.stoken[-1], s.control[-1]] for s in batch], device=dev)
+        base_pos = torch.tensor([[self.prefix_len + s.fed] for s in batch], device=dev)
+        hist_len = torch.tensor([len(s.stoken) for s in batch], device=dev)
+        temperature = torch.tensor([s.temperature for s in batch], device=dev, dtype=torch.float32)
+        gens = [s.generator for s in batch]
+        tokens, probs = self.speak_window(pending, audio, base_pos, hist_len, rows_t, self._rows(slots),
+                                          temperature, gens)
+        tokens_l, probs_l = tokens.tolist(), probs.tolist()  # the one host transfer of the window
+        for s, i, toks, p in zip(batch, idx, tokens_l, probs_l):
+            s.fed += CHUNK
+            s.window += 1
+            self._finish_speaking_window(s, results[i], toks, {"start_listening": p[0], "keep_speaking": p[1]})
+
+    def speak_window(self, pending: Tensor, audio: Tensor, base_pos: Tensor, hist_len: Tensor, rows_t: Tensor,
+                     rows: Tensor | None, temperature: Tensor, generators: list) -> tuple[Tensor, Tensor]:
+        """Ten decode steps for B speaking rows. Returns tokens (B, 10, 3) and slot-9 probabilities."""
+        t = self.tok
+        s_ = self.settings
+        text_rule = TextRuleState(self.text_rule.count[rows_t], self.text_rule.has_eos[rows_t])
+        speech_rule = SpeechRuleState(self.speech_rule.prefix_count[rows_t], self.speech_rule.count[rows_t],
+                                      self.speech_rule.has_eos[rows_t])
+        cur = pending
+        ended = torch.zeros(pending.shape[0], dtype=torch.bool, device=self.device)
+        outs = []
+        probs = torch.zeros((pending.shape[0], 2), device=self.device)
+        for j in range(CHUNK):
+            cur, text_rule, speech_rule, ended, p = self.speak_step(
+                j, cur, audio[:, j:j + 1], base_pos + j, hist_len + j, rows_t, rows, text_rule, speech_rule,
+                ended, temperature, generators)
+            outs.append(cur)
+            if p is not None:
+                probs = p
+        self.text_rule.count[rows_t], self.text_rule.has_eos[rows_t] = text_rule.count, text_rule.has_eos
+        self.speech_rule.prefix_count[rows_t] = speech_rule.prefix_count
+        self.speech_rule.count[rows_t], self.speech_rule.has_eos[rows_t] = speech_rule.count, speech_rule.has_eos
+        del t, s_
+        return torch.stack(outs, dim=1), probs
+
+    def speak_step(self, j: int, cur: Tensor, audio: Tensor, pos: Tensor, hist_len: Tensor, rows_t: Tensor,
+                   rows: Tensor | None, text_rule: TextRuleState, speech_rule: SpeechRuleState, ended: Tensor,
+                   temperature: Tensor, generators: list):
+        """Feed one position per row (tokens ``cur`` (B, 3)), decide the next: text, then merge
+        with E[that text], then speech; control forced except at slot 9."""
+        m, t, st = self.model, self.tok, self.settings
+        ctx = m.context(pos, rows)
+        x = m.embed_channels(cur[:, 0:1], cur[:, 1:2], cur[:, 2:3], audio)
+        out = m.forward_branches(x, ctx)
+        text, text_rule = sample_text(m.head(out.text_hidden[:, -1]), cur[:, 0], text_rule, eos=t.text_eos,
+                                      pad=t.tts_pad, max_tokens=st.max_text_tokens,
+                                      end_speak_factor=st.end_speak_factor)
+        speech_h = m.merge(out.stoken_hidden, m.embed_tokens(text)[:, None], ctx)
+        logits = m.head(speech_h[:, -1], self.speech_slice)
+        noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=self.device) for g in generators])
+        history = self.speech_history[rows_t]
+        speech, speech_rule = sample_speech(
+            logits, self.speech_slice.start, cur[:, 1], history, hist_len, speech_rule, prefix=self.speech_prefix,
+            eos=t.tts_end, code_lo=self.code_lo, code_hi=self.code_hi, max_tokens=st.max_speech_tokens,
+            ngram=st.no_repeat_ngram, temperature=temperature, noise=noise)
+        probs = None
+        if j == CHUNK - 1:
+            scores = torch.nn.functional.linear(out.control_hidden[:, -1], m.lm_head.weight[self.speak_rows])
+            choice, probs = control_decision(scores, st.start_listen_factor)
+            control = torch.where(choice == 0, t.start_listening, t.keep_speaking)
+            forced_after_end = t.start_listening
+        else:
+            forced = t.detect if j == CHUNK - 2 else t.sleep
+            control = torch.full_like(text, forced)
+            forced_after_end = forced
+        # After <tts_end> the rest of the window is padding that closes with S-L (the reference
+        # appends exactly these tokens); the model still sees every position.
+        text = torch.where(ended, t.text_pad, text)
+        speech = torch.where(ended, t.stoken_pad, speech)
+        control = torch.where(ended, forced_after_end, control)
+        ended = ended | (speech == t.tts_end)
+        self.speech_history[rows_t, hist_len] = speech
+        return torch.stack([text, speech, control], dim=1), text_rule, speech_rule, ended, probs
+
+    def _finish_speaking_window(self, s: SlotState, res: SlotResult, toks: list[list[int]],
+                                probs: dict[str, float]) -> None:
+        t = self.tok
+        rid = s.response_id
+        assert rid is not None
+        text_ids: list[int] = []
+        codes: list[int] = []
+        end_at: int | None = None
+        for j, (tx, sp, ct) in enumerate(toks):
+            s.text.append(tx)
+            s.stoken.append(sp)
+            s.control.append(ct)
+            if end_at is not None:
+                continue
+            if tx not in self.tokenizer.id_to_added and tx in self.tokenizer.id_to_token:
+                text_ids.append(tx)
+            if self.code_lo <= sp < t.audio_code_min + self.cfg.stoken_codec_vocab_size:
+                codes.append(sp - t.audio_code_min)
+            elif self.code_lo <= sp < self.cfg.stoken_token_ids_max:
+                s.codes_dropped += 1  # a tokenizer audio id the vocoder cannot render
+            if sp == t.tts_end:
+                end_at = j
+        if text_ids and s.detok is not None:
+            delta = s.detok.push(text_ids)
+            if delta:
+                res.events.append(TextDelta(s.epoch, rid, s.seq, delta, tuple(text_ids)))
+                s.seq += 1
+        if codes:
+            res.codes = codes
+            res.events.append(CodecTokens(s.epoch, rid, s.seq, tuple(codes)))
+            s.seq += 1
+        res.response_id = rid
+        if end_at is not None:
+            # Natural end: final codes above, then done. If <tts_end> fell on slot 9 the reference
+            # appends a whole pad window ending in S-L: the next window is forced to that.
+            if s.detok is not None:
+                tail = s.detok.flush()
+                if tail:
+                    res.events.append(TextDelta(s.epoch, rid, s.seq, tail))
+                    s.seq += 1
+            res.events.append(ResponseDone(s.epoch, rid, "completed", "tts_end"))
+            res.events.append(TurnState(s.epoch, "listening", "speech_end"))
+            res.finished = True
+            s.mode = Mode.LISTENING
+            s.response_id = None
+            s.detok = None
+            s.forced_decision = t.start_listening if end_at == CHUNK - 1 else None
+            return
+        if s.control[-1] == t.start_listening:
+            # S-L without <tts_end>: the model heard the user barge in. Stop speaking; the session
+            # answers with CANCEL under a new epoch.
+            res.events.append(BargeIn(s.epoch, rid, "model_barge_in"))
+            res.events.append(TurnState(s.epoch, "listening", "model_barge_in", probs))
+            res.cancelled = True
+            self._stop_speaking(s)

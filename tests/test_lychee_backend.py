@@ -1,0 +1,135 @@
+"""The ``lychee`` StepBackend: profile validation, capabilities, events, the vocoder seam."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from lychee_rtc.engine.base import (
+    AudioChunk,
+    CodecTokens,
+    Control,
+    ControlKind,
+    ResponseDone,
+    ResponseStarted,
+    SessionOptions,
+    SlotWindow,
+    WindowTiming,
+)
+from lychee_rtc.engine.lychee.backend import LycheeEngineSettings, SettingsError, build_lychee_backend
+from lychee_rtc.engine.lychee.tiny import write_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("lychee-be") / "tiny", seed=5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    yield
+    torch.set_num_threads(old)
+
+
+def options(ckpt, **over):
+    base = {"model_root": str(ckpt), "dtype": "fp32", "device": "cpu", "max_seq": 512, "torch_threads": 1,
+            "progress": False}
+    base.update(over)
+    return base
+
+
+@pytest.mark.parametrize("over,key", [
+    ({"model_rot": "x"}, "engine.lychee.model_rot"),
+    ({"dtype": "int8"}, "engine.lychee.dtype"),
+    ({"temperature": "hot"}, "engine.lychee.temperature"),
+    ({"max_seq": 100}, "engine.lychee.max_seq"),
+    ({"device": "tpu"}, "engine.lychee.device"),
+    ({"model_root": "/nonexistent"}, "engine.lychee.model_root"),
+])
+def test_settings_errors_name_the_key(ckpt, over, key):
+    with pytest.raises(SettingsError, match=key.replace(".", r"\.")):
+        LycheeEngineSettings.from_mapping(options(ckpt, **over))
+
+
+@pytest.mark.parametrize("name,sessions", [("lychee-c1.yaml", 1), ("lychee-c2.yaml", 2), ("lychee-c4.yaml", 4)])
+def test_profiles_are_valid(ckpt, name, sessions):
+    data = yaml.safe_load((ROOT / "configs" / name).read_text())
+    assert data["engine"]["name"] == "lychee"
+    assert data["session"]["max_sessions"] == sessions
+    lychee = dict(data["engine"]["lychee"])
+    assert lychee["device"].startswith("cuda") and lychee["dtype"] == "bf16"
+    lychee["model_root"] = str(ckpt)  # the profile names the mount point; validate the rest
+    LycheeEngineSettings.from_mapping(lychee)
+    from lychee_rtc.config import load_settings
+
+    settings = load_settings(ROOT / "configs" / name, environ={})
+    assert settings.engine.name == "lychee" and settings.session.max_sessions == sessions
+
+
+class FakeVocoder:
+    """Stands in for the streaming Token2Wav: 960 samples per code, tail on final."""
+
+    def __init__(self):
+        self.cancelled = 0
+        self.pushed: list[int] = []
+
+    def push(self, response_id, codes, final):
+        self.pushed += list(codes)
+        out = [np.zeros(960 * len(codes), np.float32)] if codes else []
+        return out + ([np.zeros(480, np.float32)] if final else [])
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+def test_backend_steps_and_emits_codes(ckpt):
+    be = build_lychee_backend(options(ckpt), 2)
+    caps = be.capabilities
+    assert (caps.input_rate, caps.window_samples, caps.output_rate, caps.max_sessions) == (16000, 6400, 24000, 2)
+    assert caps.text_output and caps.audio_output == "codes"
+    be.open_slot(1, SessionOptions(seed=3))
+    rng = np.random.default_rng(0)
+    events = []
+    for k in range(4):
+        controls = (Control(ControlKind.COMMIT, 0),) if k == 0 else ()
+        w = SlotWindow(1, (0.1 * rng.standard_normal(6400)).astype(np.float32), k, 0, controls)
+        (out,) = be.step([w])
+        events += out
+    assert any(isinstance(e, ResponseStarted) for e in events)
+    codes = [c for e in events if isinstance(e, CodecTokens) for c in e.codes]
+    assert codes and all(0 <= c < be.runner.cfg.stoken_codec_vocab_size for c in codes)
+    be.close_slot(1)
+
+
+def test_vocoder_seam_turns_codes_into_audio(ckpt):
+    vocs: dict[int, FakeVocoder] = {}
+
+    def factory(slot, opts):
+        vocs[slot] = FakeVocoder()
+        return vocs[slot]
+
+    be = build_lychee_backend(options(ckpt), 1, vocoder_factory=factory)
+    assert be.capabilities.audio_output == "pcm"
+    be.open_slot(0, SessionOptions(seed=3))
+    rng = np.random.default_rng(0)
+    events = []
+    for k in range(4):
+        controls = (Control(ControlKind.COMMIT, 0),) if k == 0 else ()
+        (out,) = be.step([SlotWindow(0, (0.1 * rng.standard_normal(6400)).astype(np.float32), k, 0, controls)])
+        events += out
+    assert not any(isinstance(e, CodecTokens) for e in events)
+    assert any(isinstance(e, WindowTiming) for e in events)
+    audio = [e for e in events if isinstance(e, AudioChunk)]
+    if vocs[0].pushed:
+        assert audio and sum(len(a.pcm) for a in audio) >= 960 * len(vocs[0].pushed)
+    be.apply_controls(0, [Control(ControlKind.CANCEL, 1)])
+    assert vocs[0].cancelled >= 1
+    done = [e for e in events if isinstance(e, ResponseDone)]
+    assert all(d.status in ("completed", "incomplete") for d in done)
