@@ -199,7 +199,8 @@ class VocoderStream:
                 ResponseDone(self.epoch, self.response_id, "failed", code)]
 
     def _next_job(self) -> _Job | None:
-        if self.state == "open" and len(self._pending) >= self.rules.emit_at:
+        # hops first, also when finishing: the final call only takes what is left after them
+        if self.active and len(self._pending) >= self.rules.emit_at:
             return _Job(self, self._pending[: self.rules.emit_at], False, self.rules.hop)
         if self.state == "finishing":
             return _Job(self, list(self._pending), True, len(self._pending))
