@@ -52,6 +52,10 @@ class TinySpec:
     # "compact": a few hundred ids. "released": the real vocabulary size and the real special-token
     # ids (158363 ids; needed by code that hard-codes ids, e.g. the reference's 151690 audio patch).
     vocab_layout: str = "compact"
+    # > 0: bias the random control head towards "keep" decisions (K-L while listening, K-S while
+    # speaking), so the tiny model only starts speaking when asked (input_audio_buffer.commit) and
+    # then talks until <tts_end> instead of stopping at a random barge-in decision. 0: pure noise.
+    decision_bias: float = 0.0
 
 
 # Released ids (lychee_fd.md 1.7 / token2wav.md E.1); <|BOT|> is placed next to <|EOT|>.
@@ -173,6 +177,29 @@ def random_state(model: LycheeFD, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def bias_decisions(state: dict[str, torch.Tensor], raw: dict, bias: float) -> None:
+    """Make residual dimension 0 a constant "bias" feature seen only by the control head.
+
+    Every token embedding carries +1 in dim 0 and no layer writes to it (o_proj/down_proj row 0
+    zeroed, adapter output dim 0 zeroed), so the residual there is always positive; only the
+    control stack's final norm keeps dim 0, and lm_head column 0 favours K-L / K-S over S-S / S-L.
+    """
+    state["model.embed_tokens.weight"][:, 0] = 1.0
+    for name, t in state.items():
+        if name.endswith("self_attn.o_proj.weight") or name.endswith("mlp.down_proj.weight"):
+            t[0, :] = 0.0
+    state["adapter.linear2.weight"][0, :] = 0.0
+    state["adapter.linear2.bias"][0] = 0.0
+    for stack in ("model", "stoken_model", "merge_model"):
+        state[f"{stack}.norm.weight"][0] = 0.0
+    state["control_model.norm.weight"][0] = 1.0
+    head = state["lm_head.weight"]
+    head[:, 0] = 0.0
+    for key, sign in (("keep_listening_token_id", 1), ("keep_speaking_token_id", 1),
+                      ("start_speaking_token_id", -1), ("start_listening_token_id", -1)):
+        head[raw[key], 0] = sign * bias
+
+
 def write_tiny_checkpoint(out: str | Path, *, seed: int = 0, spec: TinySpec | None = None,
                           dtype: torch.dtype = torch.float32) -> Path:
     spec = spec or TinySpec()
@@ -183,7 +210,10 @@ def write_tiny_checkpoint(out: str | Path, *, seed: int = 0, spec: TinySpec | No
     cfg = parse_config(raw)
     with torch.device("meta"):
         model = LycheeFD(cfg)
-    state = {k: v.to(dtype) for k, v in random_state(model, seed).items()}
+    state = random_state(model, seed)
+    if spec.decision_bias:
+        bias_decisions(state, raw, spec.decision_bias)
+    state = {k: v.to(dtype) for k, v in state.items()}
 
     names = list(state)
     n = max(1, spec.shards)
@@ -224,12 +254,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--decision-bias", type=float, default=0.0,
+                        help="> 0: the model keeps listening until asked to answer (commit) and then "
+                             "speaks until <tts_end>; 0 (default): purely random decisions")
 
 
 def run(args: argparse.Namespace) -> int:
     from .checkpoint import parse_dtype
 
-    path = write_tiny_checkpoint(args.out, seed=args.seed, dtype=parse_dtype(args.dtype))
+    spec = TinySpec(decision_bias=args.decision_bias)
+    path = write_tiny_checkpoint(args.out, seed=args.seed, spec=spec, dtype=parse_dtype(args.dtype))
     print(f"wrote tiny Lychee-FD checkpoint to {path}")
     return 0
 

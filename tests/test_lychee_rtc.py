@@ -1,0 +1,59 @@
+"""A real WebRTC session served by the ``lychee`` engine with a tiny random checkpoint on CPU.
+
+aiortc client -> Opus -> server -> 16 kHz windows -> Lychee-FD (tiny, released layout) -> text and
+speech codes back as data-channel events. No vocoder is attached yet, so the path ends at codes
+and the events say so (``vocoder: false``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from conftest import running_server
+from lychee_rtc.bench.client import RATE, RtcClient
+from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
+from lychee_rtc.session.protocol import validate_server_event
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory) -> str:
+    spec = TinySpec(decision_bias=4.0)  # listens until asked, then talks until <tts_end>
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("lychee-rtc") / "tiny", seed=11, spec=spec))
+
+
+async def test_lychee_tiny_serves_a_webrtc_session(tiny_root):
+    lychee = {"model_root": tiny_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
+              "progress": False, "seed": 1}
+    async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
+                              engine={"lychee": lychee}) as (url, _app):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            created = await client.wait_event("session.created", timeout=20)
+            assert created["session"]
+            rng = np.random.default_rng(0)
+            client.mic.feed((0.05 * rng.standard_normal(RATE * 30)).astype(np.float32))
+            client.send({"type": "input_audio_buffer.commit"})  # "answer now": the next decision is S-S
+            started = await client.wait_event("response.created", timeout=20)
+            rid = started["response_id"]
+            first = await client.wait_event("response.output_audio_codes.delta", timeout=20)
+            assert first["response_id"] == rid and first["vocoder"] is False
+            await client.wait_event("response.output_audio_transcript.delta", timeout=5)
+            # Speech lags text by the delay prefix: codes start in the second speaking window.
+            client.send({"type": "response.cancel"})
+            done = await client.wait_event("response.done", timeout=10)
+            assert done["response"]["status"] == "cancelled"
+            codes = [c for e in client.events if e["type"] == "response.output_audio_codes.delta" for c in e["codes"]]
+            assert codes and all(0 <= c < 64 for c in codes)  # the tiny codec block
+            # Nothing of the cancelled response follows its response.done.
+            await asyncio.sleep(1.2)
+            late = [e for e in client.events if e["seq"] > done["seq"] and e.get("response_id") == rid
+                    and e["type"].startswith("response.output")]
+            assert not late
+            for ev in client.events:
+                validate_server_event(ev)
+        finally:
+            await client.close()
