@@ -1,0 +1,201 @@
+"""The web client in headless Chromium, against a real echo server.
+
+Chromium's fake capture device plays a WAV as the microphone: silence, a sentence, long silence
+(the file loops, so the silence keeps the next loop from barging in while we measure). What the page
+receives is measured inside the page, from its AnalyserNode on the remote stream and from getStats,
+so the test proves the echo actually came back, not only that events were sent.
+
+The system Chromium is used (never a downloaded one); CI installs it (.ci/run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import wave
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import numpy as np
+import pytest
+from playwright.async_api import BrowserContext, Page, async_playwright, expect
+
+from conftest import running_server
+from lychee_rtc.bench.client import RtcClient
+
+CHROMIUM = "/usr/bin/chromium"
+RATE = 48000
+# A level the echoed speech is far above and the server's silence frames far below.
+SPEECH_RMS = 0.01
+
+
+def write_mic_wav(path: Path, speech: np.ndarray) -> Path:
+    signal = np.concatenate([np.zeros(RATE, np.float32), speech, np.zeros(15 * RATE, np.float32)])
+    pcm = (np.clip(signal, -1, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(pcm.tobytes())
+    return path
+
+
+@asynccontextmanager
+async def chromium(tmp_path: Path, mic_wav: Path | None = None) -> AsyncIterator[BrowserContext]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is required for the browser test (Debian package 'chromium'; .ci/run installs it)")
+    args = [
+        "--use-fake-device-for-media-stream",
+        "--use-fake-ui-for-media-stream",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
+    if mic_wav is not None:
+        args.append(f"--use-file-for-fake-audio-capture={mic_wav}")
+    profile = tmp_path / "chromium-profile"  # a new, empty --user-data-dir
+    async with async_playwright() as p:
+        context = await p.chromium.launch_persistent_context(
+            str(profile), executable_path=CHROMIUM, headless=True, args=args,
+            permissions=["microphone"], timeout=60_000)
+        try:
+            yield context
+        finally:
+            await context.close()
+
+
+def log_entry(page: Page, event_type: str, **data: str):
+    selector = f'#log li[data-type="{event_type}"]'
+    for k, v in data.items():
+        selector += f'[data-{k}="{v}"]'
+    return page.locator(selector)
+
+
+async def open_page(context: BrowserContext, url: str) -> tuple[Page, list[str]]:
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(url + "/")
+    await expect(page).to_have_title("lychee-rtc")
+    return page, errors
+
+
+# Samples what the page hears for `seconds`: the peak RMS of the AnalyserNode on the remote stream,
+# and the mean RMS of the decoded inbound audio from getStats (totalAudioEnergy over duration).
+RECEIVED = """
+async (seconds) => {
+  const before = await window.lychee.inboundAudio();
+  let peak = 0;
+  const end = performance.now() + seconds * 1000;
+  while (performance.now() < end) {
+    peak = Math.max(peak, window.lychee.agentLevel());
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  const after = await window.lychee.inboundAudio();
+  const energy = after.totalAudioEnergy - before.totalAudioEnergy;
+  const duration = after.totalSamplesDuration - before.totalSamplesDuration;
+  return {
+    peak,
+    statsRms: duration > 0 ? Math.sqrt(Math.max(energy, 0) / duration) : 0,
+    samples: after.totalSamplesReceived - before.totalSamplesReceived,
+  };
+}
+"""
+
+
+async def received(page: Page, seconds: float) -> dict[str, float]:
+    return await page.evaluate(RECEIVED, seconds)
+
+
+async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, long_utterance):
+    mic = write_mic_wav(tmp_path / "mic.wav", long_utterance)
+    async with running_server() as (url, app), chromium(tmp_path, mic) as context:
+        page, errors = await open_page(context, url)
+        await page.click("#connect")
+        await expect(page.locator("#conn-status")).to_have_attribute("data-status", "connected", timeout=30_000)
+        await expect(log_entry(page, "session.created")).to_have_count(1, timeout=15_000)
+        await expect(page.locator("#engine-name")).to_have_text("echo")
+        await expect(page.locator("#voice")).to_be_disabled()  # the echo engine has no voices
+        await expect(page.locator("#epoch")).to_have_text("0")
+
+        # Uplink: the server's VAD heard the fake microphone's sentence.
+        await expect(log_entry(page, "input_audio_buffer.speech_started").first).to_be_attached(timeout=30_000)
+        quiet = await received(page, 1.0)  # the server sends silence while the user talks
+        assert quiet["samples"] > 0, "no audio decoded from the server's track"
+
+        # Downlink: the echo of that sentence comes back and the page hears it.
+        await expect(log_entry(page, "output_audio_buffer.started")).to_have_count(1, timeout=60_000)
+        await expect(page.locator("#agent-state")).to_have_attribute("data-state", "speaking", timeout=10_000)
+        await asyncio.sleep(0.3)  # past the jitter buffer
+        echo = await received(page, 1.2)
+        assert echo["peak"] > SPEECH_RMS and echo["statsRms"] > SPEECH_RMS, (quiet, echo)
+        assert echo["peak"] > 10 * max(quiet["peak"], 1e-4), (quiet, echo)
+
+        # Interrupt: the answer is cut, the epoch moves on, and what the page hears falls silent.
+        await expect(page.locator("#interrupt")).to_be_enabled()
+        await page.click("#interrupt")
+        await expect(log_entry(page, "response.cancel")).to_have_count(1)
+        await expect(log_entry(page, "output_audio_buffer.cleared")).to_have_count(1, timeout=10_000)
+        await expect(log_entry(page, "response.done", status="cancelled")).to_have_count(1, timeout=10_000)
+        types = await page.locator("#log li").evaluate_all("(lis) => lis.map((li) => li.dataset.type)")
+        assert types.index("output_audio_buffer.cleared") < types.index("response.done")
+        await expect(page.locator("#epoch")).to_have_text("1")
+        await expect(page.locator("#interrupt")).to_be_disabled()
+        await asyncio.sleep(0.5)  # what was already in the jitter buffer plays out
+        after = await received(page, 1.2)
+        assert after["samples"] > 0, "the stream stopped instead of carrying silence"
+        assert after["peak"] < echo["peak"] / 10 and after["statsRms"] < echo["statsRms"] / 10, (echo, after)
+        await expect(log_entry(page, "response.created")).to_have_count(1)
+
+        # The transcript renders the model's text channel (the echo engine has none: feed one
+        # delta through the page's own event handler).
+        await expect(page.locator("#transcript")).to_contain_text("no text channel")
+        await page.evaluate("""() => window.lychee.handleServerEvent({
+            type: "response.output_audio_transcript.delta", seq: 100000, event_id: "synthetic",
+            epoch: window.lychee.epoch(), response_id: "resp_synthetic", delta: "Hello from the text channel."})""")
+        await expect(page.locator('#transcript [data-response-id="resp_synthetic"]')).to_have_text(
+            "Hello from the text channel.")
+
+        # The latency panel fills from getStats and the server's metrics events.
+        await expect(page.locator("#stat-jb")).to_contain_text("ms", timeout=10_000)
+        await expect(page.locator("#srv-step")).to_contain_text("ms", timeout=10_000)
+        await expect(page.locator("#m2e")).to_contain_text("ms", timeout=10_000)
+
+        # Disconnect frees the server's slot.
+        await page.click("#disconnect")
+        await expect(page.locator("#conn-status")).to_have_attribute("data-status", "idle")
+        await expect(page.locator("#connect")).to_be_enabled()
+        from lychee_rtc.server.app import MANAGER_KEY
+        for _ in range(100):
+            if not app[MANAGER_KEY].calls:
+                break
+            await asyncio.sleep(0.1)
+        assert not app[MANAGER_KEY].calls, "the session outlived the page's disconnect"
+        assert not errors, errors
+
+
+async def test_a_full_server_refusal_is_shown(tmp_path):
+    async with running_server(session={"max_sessions": 1, "retry_after_s": 7}) as (url, _):
+        occupant = RtcClient(url)
+        await occupant.connect()
+        try:
+            async with chromium(tmp_path) as context:
+                page, errors = await open_page(context, url)
+                await page.click("#connect")
+                alert = page.locator("#alert")
+                await expect(alert).to_be_visible(timeout=30_000)
+                await expect(alert).to_have_attribute("role", "alert")
+                await expect(alert).to_contain_text("server is full")
+                await expect(alert).to_contain_text("7 s")  # the Retry-After the server sent
+                await expect(page.locator("#conn-status")).to_have_text("Server full")
+                await expect(page.locator("#connect")).to_be_disabled()
+                await expect(page.locator("#connect")).to_contain_text("Retry in")
+                await expect(page.locator("#log")).to_contain_text("503")
+                assert not errors, errors
+        finally:
+            await occupant.close()
