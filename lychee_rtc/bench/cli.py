@@ -7,5 +7,9 @@ import argparse
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="measure latency, load and engine speed",
-                           description="Benchmarks; results and method are written down in docs/benchmarks.md.")
-    bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+                           description="Benchmarks; the method and the results are in docs/benchmarks.md.")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    from lychee_rtc.bench import latency, load
+
+    latency.add_parser(benches)
+    load.add_parser(benches)

@@ -36,8 +36,9 @@ class MicrophoneTrack(MediaStreamTrack):
         self._queued = 0
         self._t0: float | None = None
         self._n = 0
-        self.sent_log: list[tuple[int, float]] = []  # (sample offset, send time) of non-silent frames
-        self.muted = False  # when True, recv() stalls like a dead peer
+        # Frame index -> monotonic time the frame was handed to the sender (the most recent ones).
+        self.send_times: dict[int, float] = {}
+        self.max_log = 60 * 50
 
     def feed(self, samples: np.ndarray) -> float:
         """Queue audio; returns the stream time (s) at which its first sample will be sent."""
@@ -75,13 +76,11 @@ class MicrophoneTrack(MediaStreamTrack):
         due = self._t0 + self._n * FRAME / RATE
         if due > now:
             await asyncio.sleep(due - now)
-        while self.muted:
-            await asyncio.sleep(0.05)
         pcm = self._take()
         pts = self._n * FRAME
+        self.send_times[self._n] = time.monotonic()
+        self.send_times.pop(self._n - self.max_log, None)
         self._n += 1
-        if np.any(pcm):
-            self.sent_log.append((pts, time.monotonic()))
         frame = av.AudioFrame.from_ndarray((np.clip(pcm, -1, 1) * 32767).astype(np.int16)[None, :],
                                            format="s16", layout="mono")
         frame.sample_rate = RATE
@@ -107,6 +106,39 @@ class ReceivedAudio:
             if a < b:
                 out[a - start:b - start] = pcm[a - off:b - off]
         return out
+
+
+class LinkImpairment:
+    """Drops and delays outgoing RTP packets (not RTCP) to emulate a lossy, jittery uplink."""
+
+    def __init__(self, loss: float = 0.0, jitter_ms: float = 0.0, seed: int = 1) -> None:
+        self.loss = loss
+        self.jitter_ms = jitter_ms
+        self.rng = np.random.default_rng(seed)
+        self.sent = 0
+        self.dropped = 0
+
+    def install(self, transport) -> None:
+        from aiortc.rtp import is_rtcp
+
+        original = transport._send_rtp
+        loop = asyncio.get_running_loop()
+
+        async def send(data: bytes) -> None:
+            if is_rtcp(data):
+                await original(data)
+                return
+            self.sent += 1
+            if self.loss and self.rng.random() < self.loss:
+                self.dropped += 1
+                return
+            if self.jitter_ms:
+                delay = float(self.rng.uniform(0, self.jitter_ms)) / 1000.0
+                loop.call_later(delay, lambda: loop.create_task(original(data)))
+                return
+            await original(data)
+
+        transport._send_rtp = send
 
 
 class RtcClient:
@@ -175,6 +207,10 @@ class RtcClient:
     async def _notify(self) -> None:
         async with self._event_signal:
             self._event_signal.notify_all()
+
+    def impair_uplink(self, impairment: LinkImpairment) -> None:
+        sender = next(s for s in self.pc.getSenders() if s.track is self.mic)
+        impairment.install(sender.transport)
 
     def send(self, event: dict[str, Any] | str) -> None:
         self.channel.send(event if isinstance(event, str) else json.dumps(event))

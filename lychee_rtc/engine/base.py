@@ -36,6 +36,9 @@ class EngineCapabilities:
     text_output: bool = False
     audio_output: Literal["pcm", "codes", "none"] = "pcm"
     voices: tuple[str, ...] = ()
+    # Output mirrors input frame by frame (loopback): the playout may trim standing delay and shift
+    # its pacing phase, because there is no speech to protect, only latency to minimise.
+    live_passthrough: bool = False
 
 
 @dataclass(frozen=True)

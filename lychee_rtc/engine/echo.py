@@ -230,6 +230,7 @@ class LoopbackBackend:
             barge_in=False,
             forced_listen=False,
             commit_hint=False,
+            live_passthrough=True,
         )
         self._slots: dict[int, list] = {}
 

@@ -32,6 +32,7 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
     rate = session.capabilities.input_rate
     resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
     expected: float | None = None  # stream time (s) where the next frame should start
+    aligned = False
     while True:
         try:
             frame = await track.recv()
@@ -59,5 +60,12 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
             counters.bad_frames += 1
             log.warning("session %s: dropping undecodable audio frame: %s", session.id, exc)
             continue
+        if not aligned:
+            # The resampler's filter delay makes its first output a little short of a frame. Dropping
+            # that first chunk puts window boundaries on packet boundaries, so a window completes
+            # with the packet that carries its last sample instead of one packet later.
+            aligned = True
+            if len(samples) < round(frame.samples * rate / frame.sample_rate):
+                continue
         if len(samples):
             session.push_audio(samples)

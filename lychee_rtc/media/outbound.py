@@ -25,6 +25,14 @@ from lychee_rtc.session.sink import CutReport
 FRAME_MS = 20
 # Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
 MAX_CATCH_UP_S = 0.2
+# Live mode: the controller looks at this many frames before it trims delay or moves the phase,
+# and keeps this much margin so ordinary scheduling jitter does not cause underruns.
+LIVE_WINDOW_FRAMES = 50
+LIVE_MARGIN_S = 0.003
+# Live mode: a frame may leave this much before its slot when its audio is already there, and a slot
+# waits this much past its time for audio that is about to arrive before sending silence.
+LIVE_LEAD_S = 0.015
+LIVE_GRACE_S = 0.004
 
 
 class PlayoutListener(Protocol):
@@ -41,6 +49,32 @@ class TrackCounters:
     silent_frames: int = 0
     stale_chunks: int = 0  # writes rejected because their epoch was no longer live
     reanchors: int = 0
+    trimmed_samples: int = 0  # live mode: standing delay removed
+    early_frames: int = 0  # live mode: sent ahead of schedule because the audio was there
+
+
+class BacklogTrimmer:
+    """Live mode: removes a standing backlog (the buffer never drains below one frame).
+
+    Over a window of frames it takes the smallest depth seen just before a read; what is
+    consistently there beyond one frame and a small margin is delay nobody needs.
+    """
+
+    def __init__(self, rate: int, frame: int) -> None:
+        self.frame = frame
+        self.margin = int(LIVE_MARGIN_S * rate)
+        self._min_depth: int | None = None
+        self._frames = 0
+
+    def on_tick(self, depth: int) -> int:
+        """Before a frame is read: the number of samples to drop now."""
+        self._min_depth = depth if self._min_depth is None else min(self._min_depth, depth)
+        self._frames += 1
+        if self._frames < LIVE_WINDOW_FRAMES:
+            return 0
+        trim = max(0, self._min_depth - self.frame - self.margin)
+        self._frames, self._min_depth = 0, None
+        return trim
 
 
 class PacedAudioTrack(MediaStreamTrack):
@@ -52,6 +86,7 @@ class PacedAudioTrack(MediaStreamTrack):
         out_rate: int = 48000,
         max_buffer_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        live: bool = False,
     ) -> None:
         super().__init__()
         self.in_rate = in_rate
@@ -64,6 +99,9 @@ class PacedAudioTrack(MediaStreamTrack):
         self._retired = PlayoutCounters()
         self._t0: float | None = None
         self._frame_index = 0
+        self.live = live
+        self._trimmer: BacklogTrimmer | None = None
+        self._audio_arrived = asyncio.Event()
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -97,6 +135,7 @@ class PacedAudioTrack(MediaStreamTrack):
             self.counters.stale_chunks += 1
             return False
         self._buffer.write(response_id, pcm)
+        self._audio_arrived.set()
         return True
 
     def end_response(self, epoch: int, response_id: str) -> bool:
@@ -142,9 +181,33 @@ class PacedAudioTrack(MediaStreamTrack):
         if now - due > MAX_CATCH_UP_S:
             self._t0 = now - self._frame_index * FRAME_MS / 1000
             self.counters.reanchors += 1
+        elif self.live:
+            await self._wait_live(due)
         elif due > now:
             await asyncio.sleep(due - now)
         return self._next_frame()
+
+    async def _wait_live(self, due: float) -> None:
+        """Send as soon as a frame of audio is there (bounded lead), or silence shortly after the slot."""
+        n = self.frame_samples
+        while True:
+            now = self._clock()
+            ready = self._buffer.depth_samples >= n
+            if (ready and now >= due - LIVE_LEAD_S) or now >= due + LIVE_GRACE_S:
+                break
+            self._audio_arrived.clear()
+            wake = (due - LIVE_LEAD_S) if ready else (due + LIVE_GRACE_S)
+            try:
+                await asyncio.wait_for(self._audio_arrived.wait(), wake - now)
+            except asyncio.TimeoutError:
+                pass
+        if self._clock() < due:
+            self.counters.early_frames += 1
+        if self._trimmer is None:
+            self._trimmer = BacklogTrimmer(self.out_rate, n)
+        trim = self._trimmer.on_tick(self._buffer.depth_samples)
+        if trim:
+            self.counters.trimmed_samples += self._buffer.discard(trim)
 
     def _next_frame(self) -> av.AudioFrame:
         n = self.frame_samples

@@ -112,6 +112,19 @@ class PlayoutBuffer:
                 self._playing = None
         return out, marks
 
+    def discard(self, n: int) -> int:
+        """Drop up to ``n`` of the oldest queued samples (end markers stay); returns how many."""
+        dropped = 0
+        for seg in self._segments:
+            if dropped >= n:
+                break
+            k = min(len(seg.samples), n - dropped)
+            seg.samples = seg.samples[k:]
+            dropped += k
+        self._size -= dropped
+        self._segments = deque(s for s in self._segments if s.end or len(s.samples))
+        return dropped
+
     def _resampler_for(self, response_id: str) -> PcmResampler:
         if self._writer is None or self._writer[0] != response_id:
             if self._writer is not None:  # previous response never ended: keep its tail
@@ -125,17 +138,6 @@ class PlayoutBuffer:
         self._segments.append(_Segment(response_id, samples))
         self._size += len(samples)
         self.counters.written_samples += len(samples)
-        # Bounded: drop the oldest audio rather than grow (end markers stay); a paced producer
-        # never gets here.
-        excess = self._size - self.max_samples
-        if excess <= 0:
-            return
-        for seg in self._segments:
-            if excess <= 0:
-                break
-            drop = min(len(seg.samples), excess)
-            seg.samples = seg.samples[drop:]
-            excess -= drop
-            self._size -= drop
-            self.counters.overflow_samples += drop
-        self._segments = deque(s for s in self._segments if s.end or len(s.samples))
+        # Bounded: drop the oldest audio rather than grow; a paced producer never gets here.
+        if self._size > self.max_samples:
+            self.counters.overflow_samples += self.discard(self._size - self.max_samples)

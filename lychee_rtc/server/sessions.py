@@ -112,7 +112,8 @@ class SessionManager:
             raise ServerFull(self.settings.session.retry_after_s) from None
         caps = self.engine.capabilities
         pc = RTCPeerConnection(self.rtc_configuration())
-        track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s)
+        track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
+                                live=caps.live_passthrough)
         session_id = "sess_" + secrets.token_hex(8)
         session = DuplexSession(session_id, self.settings.session, slot, track, engine_name=caps.name,
                                 observer=self.metrics)

@@ -1,0 +1,77 @@
+"""Latency probes: a short chirp injected into the uplink and found again in the downlink.
+
+Pure functions of arrays and timestamps, so the method can be tested without a network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+RATE = 48000
+FRAME = RATE // 50
+
+
+def chirp(duration_s: float = 0.02, f0: float = 400.0, f1: float = 3200.0, amplitude: float = 0.6,
+          rate: int = RATE) -> np.ndarray:
+    """A Hann-windowed linear chirp: short, sharp autocorrelation, inside the 16 kHz path's band."""
+    t = np.arange(int(duration_s * rate)) / rate
+    phase = 2 * np.pi * (f0 * t + (f1 - f0) * t * t / (2 * duration_s))
+    return (amplitude * np.hanning(len(t)) * np.sin(phase)).astype(np.float32)
+
+
+def matched_filter(signal: np.ndarray, probe: np.ndarray) -> np.ndarray:
+    """Normalised cross-correlation of ``probe`` at every offset of ``signal`` (FFT based)."""
+    n = len(signal) + len(probe) - 1
+    size = 1 << (n - 1).bit_length()
+    corr = np.fft.irfft(np.fft.rfft(signal, size) * np.conj(np.fft.rfft(probe, size)), size)[: len(signal)]
+    energy = np.convolve(signal.astype(np.float64) ** 2, np.ones(len(probe)), mode="full")[len(probe) - 1:]
+    energy = energy[: len(signal)]
+    norm = np.sqrt(np.maximum(energy, 1e-12) * float(np.sum(probe.astype(np.float64) ** 2)))
+    return corr / norm
+
+
+def find_onsets(signal: np.ndarray, probe: np.ndarray, threshold: float = 0.6) -> list[int]:
+    """Offsets where ``probe`` starts in ``signal`` (one per probe: local maxima above threshold)."""
+    score = matched_filter(signal, probe)
+    onsets: list[int] = []
+    i = 0
+    n = len(probe)
+    while i < len(score):
+        if score[i] >= threshold:
+            j = i + int(np.argmax(score[i:i + n]))
+            onsets.append(j)
+            i = j + n
+        else:
+            i += 1
+    return onsets
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    index: int
+    sent_at: float  # "mouth": when the probe's first sample was captured
+    heard_at: float | None  # "ear": when it came out of the receiver, or None if never found
+
+    @property
+    def latency_ms(self) -> float | None:
+        return None if self.heard_at is None else 1000.0 * (self.heard_at - self.sent_at)
+
+
+def capture_time(sample: int, frame_send_times: dict[int, float]) -> float | None:
+    """When a microphone would have captured ``sample``: its frame left at the end of capture."""
+    sent = frame_send_times.get(sample // FRAME)
+    return None if sent is None else sent - (FRAME - sample % FRAME) / RATE
+
+
+def arrival_time(sample: int, chunks: list[tuple[int, int, float]]) -> float | None:
+    """When ``sample`` of the downlink reached the listener: its frame's arrival plus its place in it."""
+    for offset, length, arrival in chunks:
+        if offset <= sample < offset + length:
+            return arrival + (sample - offset) / RATE
+    return None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None

@@ -1,0 +1,62 @@
+"""Run a lychee-rtc server in a child process for a benchmark, and read its CPU time."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import aiohttp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@asynccontextmanager
+async def spawned_server(config: str, env: dict[str, str] | None = None) -> AsyncIterator[tuple[str, int]]:
+    """Start ``lychee-rtc serve`` on a free port; yields (base_url, pid) once /readyz answers 200."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lychee_rtc.cli", "--log-level", "WARNING", "serve", "--config", config,
+         "--port", str(port)],
+        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with status {proc.returncode}")
+                try:
+                    async with http.get(f"{url}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("server did not become ready within 60 s")
+                await asyncio.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
