@@ -171,3 +171,14 @@ def write_test_prompt(path: str | Path, seconds: float = 1.0, sample_rate: int =
         w.setframerate(sample_rate)
         w.writeframes(pcm.tobytes())
     return path
+
+
+def write_tiny_vocoder(out: str | Path, seed: int = 0) -> dict:
+    """What ``lychee-rtc tiny-checkpoint`` adds: ``<out>/token2wav/`` (released layout) and a
+    prompt ``<out>/voices/default.wav``. Returns the ``token2wav`` settings mapping for them."""
+    out = Path(out)
+    folder = write_tiny_token2wav(out / "token2wav", seed=seed)
+    (out / "voices").mkdir(parents=True, exist_ok=True)
+    prompt = write_test_prompt(out / "voices" / "default.wav", seconds=1.0, seed=seed)
+    return {"folder": str(folder), "voices": {"default": str(prompt)}, "default_voice": "default",
+            "device": "cpu", "dtype": "fp32"}
