@@ -86,14 +86,16 @@ async def open_page(context: BrowserContext, url: str) -> tuple[Page, list[str]]
 
 
 # Samples what the page hears for `seconds`: the peak RMS of the AnalyserNode on the remote stream,
-# and the mean RMS of the decoded inbound audio from getStats (totalAudioEnergy over duration).
+# and the mean RMS of the decoded inbound audio from getStats (totalAudioEnergy over duration); and
+# the peak of the microphone meter.
 RECEIVED = """
 async (seconds) => {
   const before = await window.lychee.inboundAudio();
-  let peak = 0;
+  let peak = 0, mic = 0;
   const end = performance.now() + seconds * 1000;
   while (performance.now() < end) {
     peak = Math.max(peak, window.lychee.agentLevel());
+    mic = Math.max(mic, window.lychee.micLevel());
     await new Promise((r) => setTimeout(r, 20));
   }
   const after = await window.lychee.inboundAudio();
@@ -101,6 +103,7 @@ async (seconds) => {
   const duration = after.totalSamplesDuration - before.totalSamplesDuration;
   return {
     peak,
+    mic,
     statsRms: duration > 0 ? Math.sqrt(Math.max(energy, 0) / duration) : 0,
     samples: after.totalSamplesReceived - before.totalSamplesReceived,
   };
@@ -127,6 +130,7 @@ async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, long_utter
         await expect(log_entry(page, "input_audio_buffer.speech_started").first).to_be_attached(timeout=30_000)
         quiet = await received(page, 1.0)  # the server sends silence while the user talks
         assert quiet["samples"] > 0, "no audio decoded from the server's track"
+        assert quiet["mic"] > SPEECH_RMS, f"the microphone meter did not move while the user spoke: {quiet}"
 
         # Downlink: the echo of that sentence comes back and the page hears it.
         await expect(log_entry(page, "output_audio_buffer.started")).to_have_count(1, timeout=60_000)
@@ -151,6 +155,26 @@ async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, long_utter
         assert after["samples"] > 0, "the stream stopped instead of carrying silence"
         assert after["peak"] < echo["peak"] / 10 and after["statsRms"] < echo["statsRms"] / 10, (echo, after)
         await expect(log_entry(page, "response.created")).to_have_count(1)
+        await expect(page.locator('#transcript .turn[data-status="cancelled"]')).to_contain_text("interrupted")
+
+        # Hold to listen: turn.listen while pressed, turn.release on release. (The fake microphone
+        # is in its long silence now, so nothing else moves the turn state.)
+        await page.locator("#hold").hover()
+        await page.mouse.down()
+        await expect(page.locator("#agent-state")).to_have_attribute("data-state", "held", timeout=10_000)
+        await expect(page.locator("#hold")).to_have_attribute("aria-pressed", "true")
+        await page.mouse.up()
+        await expect(page.locator("#agent-state")).to_have_attribute("data-state", "listening", timeout=10_000)
+        await expect(log_entry(page, "turn.listen")).to_have_count(1)
+        await expect(log_entry(page, "turn.release")).to_have_count(1)
+
+        # End of speech with nothing said: the server's error event is shown, and the call goes on.
+        await page.click("#commit")
+        await expect(log_entry(page, "input_audio_buffer.commit")).to_have_count(1)
+        await expect(page.locator("#alert")).to_contain_text("input_audio_buffer_commit_empty", timeout=10_000)
+        await page.click("#alert-close")
+        await expect(page.locator("#alert")).to_be_hidden()
+        await expect(page.locator("#conn-status")).to_have_attribute("data-status", "connected")
 
         # The transcript renders the model's text channel (the echo engine has none: feed one
         # delta through the page's own event handler).

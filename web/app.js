@@ -35,6 +35,7 @@ const ui = {
   transcript: $("transcript"),
   transcriptPlaceholder: $("transcript-placeholder"),
   m2e: $("m2e"),
+  m2eBar: $("m2e-bar"),
   m2eParts: $("m2e-parts"),
   statRtt: $("stat-rtt"),
   statJb: $("stat-jb"),
@@ -60,6 +61,7 @@ const LOG_LIMIT = 400;
 const METRICS_WINDOWS = 10; // server timings are averaged over this many recent windows
 const VERBOSE_TYPES = new Set(["metrics", "ping", "pong", "playback.ack"]);
 const STORAGE_KEY = "lychee-rtc.settings";
+const PART_COLORS = ["#8e7cc3", "#e69138", "#f1c232", "#c2185b", "#45818e", "#6d9eeb", "#6aa84f"];
 
 const state = {
   call: null,
@@ -406,13 +408,14 @@ const EVENT_HANDLERS = {
   "input_audio_buffer.speech_stopped": (e) => addUserTurn(e.audio_end_ms - (state.speechStartMs ?? e.audio_end_ms)),
   "response.created": (e) => {
     state.activeResponse = e.response_id;
+    transcriptTurn(e.response_id, e.epoch);
     ui.responseId.textContent = e.response_id;
     setControls(true);
   },
   "response.output_audio_transcript.delta": (e) => appendTranscript(e),
   "output_audio_buffer.cleared": (e) => setEpoch(e.new_epoch),
   "response.done": (e) => {
-    finishTranscript(e.response_id, e.response?.status);
+    finishTranscript(e.response_id, e.response ?? {});
     if (state.activeResponse === e.response_id) state.activeResponse = null;
     setControls(true);
   },
@@ -498,14 +501,20 @@ function appendTranscript(e) {
   scrollToEnd(ui.transcript);
 }
 
-function finishTranscript(responseId, status) {
+function finishTranscript(responseId, response) {
   const p = state.transcriptTurns.get(responseId);
   if (!p) return;
-  p.dataset.status = status ?? "";
-  if (status === "cancelled") {
+  p.dataset.status = response.status ?? "";
+  const text = p.querySelector(".text");
+  if (!text.textContent && typeof response.played_ms === "number") {
+    // Audio-only engines: say what was heard instead of leaving an empty line.
+    text.textContent = `(audio, ${(response.played_ms / 1000).toFixed(1)} s)`;
+    p.classList.add("audio-only");
+  }
+  if (response.status && response.status !== "completed") {
     const mark = document.createElement("span");
     mark.className = "mark";
-    mark.textContent = " — interrupted";
+    mark.textContent = response.status === "cancelled" ? " — interrupted" : ` — ${response.status}`;
     p.append(mark);
   }
 }
@@ -532,6 +541,7 @@ function summarize(event) {
     const s = event.session;
     return `${s.id ?? ""} engine=${s.engine ?? "?"} epoch=${s.epoch ?? "?"}`;
   }
+  if (event.type === "page") return event.note;
   if (event.type === "error" && event.error) return `${event.error.code}: ${event.error.message}`;
   if (event.type === "response.done" || event.type === "response.created") {
     const r = event.response ?? {};
@@ -587,7 +597,7 @@ function logEvent(event, direction) {
 }
 
 function logLocal(text) {
-  logEvent({ type: "client", note: text }, "local");
+  logEvent({ type: "page", note: text }, "local");
 }
 
 // --- latency --------------------------------------------------------------------------------------
@@ -635,9 +645,22 @@ function renderLatency() {
 
   const estimate = mouthToEar({ rttMs: s.rttMs, jitterBufferMs: s.jitterBufferMs, server });
   ui.m2e.textContent = estimate ? `≈ ${Math.round(estimate.totalMs)} ms` : "—";
-  ui.m2eParts.replaceChildren(...(estimate?.parts ?? []).map(([name, value]) => {
+  const parts = estimate?.parts ?? [];
+  ui.m2eBar.replaceChildren(...parts.map(([name, value], i) => {
+    const seg = document.createElement("span");
+    seg.style.setProperty("--c", PART_COLORS[i % PART_COLORS.length]);
+    seg.style.flexGrow = String(Math.max(value, 0));
+    seg.title = name;
+    return seg;
+  }));
+  ui.m2eParts.replaceChildren(...parts.map(([name, value], i) => {
     const li = document.createElement("li");
-    li.textContent = `${name}: ${value.toFixed(value < 10 ? 1 : 0)} ms`;
+    li.style.setProperty("--c", PART_COLORS[i % PART_COLORS.length]);
+    const label = document.createElement("span");
+    label.textContent = name;
+    const amount = document.createElement("span");
+    amount.textContent = ms(value, value < 10 ? 1 : 0);
+    li.append(label, amount);
     return li;
   }));
 }
