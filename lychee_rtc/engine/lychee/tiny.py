@@ -156,25 +156,38 @@ def tiny_config(spec: TinySpec) -> dict:
     }
 
 
+def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A random value for one checkpoint tensor: norms near 1, weights ~ N(0, 1/fan_in)."""
+    def randn() -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device)
+
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("_ln.weight"):
+        return 1.0 + 0.1 * randn()
+    if name.endswith(".bias"):
+        return 0.02 * randn()
+    if "embed_tokens" in name or "positional_embedding" in name:
+        return 0.5 * randn()
+    fan_in = shape[1] * (shape[2] if len(shape) > 2 else 1) if len(shape) > 1 else shape[0]
+    return randn() / fan_in ** 0.5
+
+
 def random_state(model: LycheeFD, seed: int) -> dict[str, torch.Tensor]:
-    """Checkpoint-named random tensors; norms near 1, everything else N(0, 0.02) or so."""
+    """Checkpoint-named random tensors, side tables included."""
     g = torch.Generator().manual_seed(seed)
-    state: dict[str, torch.Tensor] = {}
-    for name, target in checkpoint_targets(model).items():
-        shape = tuple(target.shape)
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("_ln.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(".bias"):
-            t = 0.02 * torch.randn(shape, generator=g)
-        elif "embed_tokens" in name or "positional_embedding" in name:
-            t = 0.5 * torch.randn(shape, generator=g)
-        else:
-            fan_in = shape[1] * (shape[2] if len(shape) > 2 else 1) if len(shape) > 1 else shape[0]
-            t = torch.randn(shape, generator=g) / fan_in ** 0.5
-        state[name] = t.contiguous()
+    state = {name: random_tensor(name, tuple(t.shape), g).contiguous()
+             for name, t in checkpoint_targets(model).items()}
     for name, shape in ignored_tensors(model.cfg).items():
         state[name] = (0.5 * torch.randn(shape, generator=g)).contiguous()
     return state
+
+
+@torch.no_grad()
+def randomize_(model: LycheeFD, seed: int = 0) -> None:
+    """Fill a materialised model in place (on its device) with the same kind of random weights."""
+    device = model.lm_head.weight.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, t in checkpoint_targets(model).items():
+        t.copy_(random_tensor(name, tuple(t.shape), g, device).to(t.dtype))
 
 
 def bias_decisions(state: dict[str, torch.Tensor], raw: dict, bias: float) -> None:

@@ -1,0 +1,39 @@
+# GPU serving image: lychee-rtc with the lychee engine (Lychee-FD in PyTorch) on CUDA.
+#
+#   docker build -t lychee-rtc .
+#   docker run --gpus all --network host \
+#       -v /path/to/Lychee-FD/lychee_full_duplex:/models/lychee_full_duplex:ro \
+#       lychee-rtc
+#
+# The model folder is the released checkpoint (config.json, model-0000i-of-0000N.safetensors +
+# model.safetensors.index.json, tokenizer files); it is mounted read-only, never baked in.
+# --network host: WebRTC media uses UDP ports chosen per session (ICE host candidates), which a
+# bridged container would not expose. Other profiles: append `serve --config configs/lychee-c4.yaml`.
+FROM pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# Dependencies first (cached layer): the package metadata only, with a stub package to satisfy
+# setuptools; torch/torchaudio come from the base image.
+COPY pyproject.toml README.md ./
+RUN mkdir -p lychee_rtc && touch lychee_rtc/__init__.py \
+    && pip install ".[model]" \
+    && pip uninstall -y lychee-rtc \
+    && rm -rf lychee_rtc
+
+COPY lychee_rtc ./lychee_rtc
+COPY configs ./configs
+COPY web ./web
+COPY signaling ./signaling
+# Editable install: the server finds configs/, web/ and signaling/ next to the package.
+RUN pip install --no-deps -e .
+
+VOLUME ["/models"]
+EXPOSE 8080
+
+ENTRYPOINT ["lychee-rtc"]
+CMD ["serve", "--config", "configs/lychee-c1.yaml"]
