@@ -58,3 +58,16 @@ def test_long_stall_closes_every_due_window():
     out = clock.poll(now=2.0)  # five windows due
     assert [w.seq for w in out] == [0, 1, 2, 3, 4]
     assert clock.counters.underruns == 5
+
+
+def test_gap_can_be_filled_with_concealment():
+    from lychee_rtc.media.conceal import conceal
+
+    clock = WindowClock(W, RATE, grace_s=0.1)
+    clock.write(ramp(0, 1000), now=0.0)
+    fill = conceal(np.ones(320, np.float32), 640, fade=320)
+    assert fill[0] == 1.0 and np.all(np.diff(fill[:320]) < 0) and not np.any(fill[320:])
+    out = clock.gap(640, now=0.01, fill=fill)
+    out += clock.write(ramp(1640, W - 1640), now=0.02)
+    np.testing.assert_array_equal(out[0].samples[1000:1640], fill)
+    assert clock.counters.gap_samples == 640

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import av
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+import numpy as np
+
+from lychee_rtc.media.conceal import conceal
 from lychee_rtc.media.resample import frame_to_mono_float
 from lychee_rtc.session.session import DuplexSession
 
@@ -33,6 +36,7 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
     resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
     expected: float | None = None  # stream time (s) where the next frame should start
     aligned = False
+    previous = np.zeros(0, dtype=np.float32)  # the last decoded audio, for concealment
     while True:
         try:
             frame = await track.recv()
@@ -49,7 +53,8 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
                 if delta > duration / 2:
                     counters.gaps += 1
                     counters.gap_seconds += delta
-                    session.push_gap(round(delta * rate))
+                    n = round(delta * rate)
+                    session.push_gap(n, fill=conceal(previous, n, fade=round(duration * rate)))
                 elif delta < -duration / 2:
                     counters.reordered_frames += 1
                     continue
@@ -68,4 +73,5 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
             if len(samples) < round(frame.samples * rate / frame.sample_rate):
                 continue
         if len(samples):
+            previous = samples
             session.push_audio(samples)

@@ -25,9 +25,8 @@ from lychee_rtc.session.sink import CutReport
 FRAME_MS = 20
 # Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
 MAX_CATCH_UP_S = 0.2
-# Live mode: the controller looks at this many frames before it trims delay or moves the phase,
-# and keeps this much margin so ordinary scheduling jitter does not cause underruns.
-LIVE_WINDOW_FRAMES = 50
+# Live mode keeps at most this much audio queued beyond the frame being sent; more is standing delay
+# (a burst after a loss, a start-up backlog) and is dropped at once.
 LIVE_MARGIN_S = 0.003
 # Live mode: a frame may leave this much before its slot when its audio is already there, and a slot
 # waits this much past its time for audio that is about to arrive before sending silence.
@@ -53,30 +52,6 @@ class TrackCounters:
     early_frames: int = 0  # live mode: sent ahead of schedule because the audio was there
 
 
-class BacklogTrimmer:
-    """Live mode: removes a standing backlog (the buffer never drains below one frame).
-
-    Over a window of frames it takes the smallest depth seen just before a read; what is
-    consistently there beyond one frame and a small margin is delay nobody needs.
-    """
-
-    def __init__(self, rate: int, frame: int) -> None:
-        self.frame = frame
-        self.margin = int(LIVE_MARGIN_S * rate)
-        self._min_depth: int | None = None
-        self._frames = 0
-
-    def on_tick(self, depth: int) -> int:
-        """Before a frame is read: the number of samples to drop now."""
-        self._min_depth = depth if self._min_depth is None else min(self._min_depth, depth)
-        self._frames += 1
-        if self._frames < LIVE_WINDOW_FRAMES:
-            return 0
-        trim = max(0, self._min_depth - self.frame - self.margin)
-        self._frames, self._min_depth = 0, None
-        return trim
-
-
 class PacedAudioTrack(MediaStreamTrack):
     kind = "audio"
 
@@ -100,7 +75,6 @@ class PacedAudioTrack(MediaStreamTrack):
         self._t0: float | None = None
         self._frame_index = 0
         self.live = live
-        self._trimmer: BacklogTrimmer | None = None
         self._audio_arrived = asyncio.Event()
 
     # --- configuration -------------------------------------------------------------------------
@@ -203,11 +177,9 @@ class PacedAudioTrack(MediaStreamTrack):
                 pass
         if self._clock() < due:
             self.counters.early_frames += 1
-        if self._trimmer is None:
-            self._trimmer = BacklogTrimmer(self.out_rate, n)
-        trim = self._trimmer.on_tick(self._buffer.depth_samples)
-        if trim:
-            self.counters.trimmed_samples += self._buffer.discard(trim)
+        excess = self._buffer.depth_samples - n - int(LIVE_MARGIN_S * self.out_rate)
+        if excess > 0:
+            self.counters.trimmed_samples += self._buffer.discard(excess)
 
     def _next_frame(self) -> av.AudioFrame:
         n = self.frame_samples

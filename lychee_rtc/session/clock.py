@@ -76,17 +76,10 @@ class WindowClock:
             self.counters.late_samples += late
             samples = samples[late:]
             start += late
-        while len(samples):
-            take = min(self.window_samples - self._filled, len(samples))
-            self._buf[self._filled:self._filled + take] = samples[:take]
-            self._filled += take
-            samples = samples[take:]
-            if self._filled == self.window_samples:
-                out.append(self._close(silence=0))
-        return out
+        return out + self._fill(samples)
 
-    def gap(self, n: int, now: float) -> list[Window]:
-        """The uplink lost ``n`` samples (RTP timestamps jumped): keep their place as silence."""
+    def gap(self, n: int, now: float, fill: np.ndarray | None = None) -> list[Window]:
+        """The uplink lost ``n`` samples (RTP timestamps jumped): keep their place, as ``fill`` or silence."""
         if n <= 0:
             return []
         self.start(now)
@@ -97,10 +90,12 @@ class WindowClock:
         lost_end = start + n
         if lost_end <= cursor:
             return out
-        fill = lost_end - max(start, cursor)
-        self.counters.gap_samples += fill
-        out += self._fill_silence(fill)
-        return out
+        count = lost_end - max(start, cursor)
+        self.counters.gap_samples += count
+        if fill is None:
+            return out + self._fill_silence(count)
+        fill = np.asarray(fill, dtype=np.float32)[n - count:]
+        return out + self._fill(np.pad(fill, (0, max(0, count - len(fill))))[:count])
 
     def poll(self, now: float) -> list[Window]:
         """Close every window whose deadline has passed, filling what is missing with silence."""
@@ -116,12 +111,15 @@ class WindowClock:
         return out
 
     def _fill_silence(self, n: int) -> list[Window]:
+        return self._fill(np.zeros(n, dtype=np.float32))
+
+    def _fill(self, samples: np.ndarray) -> list[Window]:
         out = []
-        while n > 0:
-            take = min(self.window_samples - self._filled, n)
-            self._buf[self._filled:self._filled + take] = 0.0
+        while len(samples):
+            take = min(self.window_samples - self._filled, len(samples))
+            self._buf[self._filled:self._filled + take] = samples[:take]
             self._filled += take
-            n -= take
+            samples = samples[take:]
             if self._filled == self.window_samples:
                 out.append(self._close(silence=0))
         return out

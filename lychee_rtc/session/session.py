@@ -197,12 +197,12 @@ class DuplexSession:
         self.counters.input_samples += len(samples)
         self._forward_windows(self.window_clock.write(samples, now))
 
-    def push_gap(self, n: int, now: float | None = None) -> None:
+    def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
         if self.closed:
             return
         now = self.clock() if now is None else now
         self.last_audio_at = now
-        self._forward_windows(self.window_clock.gap(n, now))
+        self._forward_windows(self.window_clock.gap(n, now, fill))
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))

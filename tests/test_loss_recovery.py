@@ -1,0 +1,76 @@
+"""Loss on the uplink must not leave delay behind (the aiortc jitter buffer keeps ~200 ms for good).
+
+Measured in samples of the audio clocks, not wall time: for each chirp, the distance between where
+it sits in the uplink stream and where it comes back in the downlink stream. The outbound track is
+paced by the server's clock, so any delay the path keeps shows up as a larger distance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from conftest import running_server
+from lychee_rtc.bench.client import RATE, LinkImpairment, RtcClient
+from lychee_rtc.bench.probes import chirp, find_onsets, matched_filter
+from lychee_rtc.server.app import MANAGER_KEY
+
+INTERVAL = RATE // 2
+
+
+def test_probe_detection_is_exact():
+    probe = chirp()
+    signal = np.zeros(RATE * 2, np.float32)
+    for at in (1000, 30000, 70001):
+        signal[at:at + len(probe)] += probe
+    signal += np.random.default_rng(0).normal(0, 0.01, len(signal)).astype(np.float32)
+    assert find_onsets(signal, probe) == [1000, 30000, 70001]
+    assert matched_filter(signal, probe).max() <= 1.0 + 1e-6
+
+
+async def _distances(jitter_buffer: str) -> tuple[list[int], list[int], int]:
+    async with running_server("configs/loopback.yaml", rtc={"jitter_buffer": jitter_buffer}) as (url, app):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            probe = chirp()
+            phases = (8, 8, 8)  # clean, lossy, after
+            total = sum(phases)
+            schedule = np.zeros(RATE + total * INTERVAL, np.float32)
+            for k in range(total):
+                schedule[RATE + k * INTERVAL:RATE + k * INTERVAL + len(probe)] = probe
+            client.mic.feed(schedule)
+            impairment = LinkImpairment(loss=0.0, seed=3)
+            client.impair_uplink(impairment)
+            await asyncio.sleep(1 + phases[0] * 0.5)
+            impairment.loss = 0.15
+            await asyncio.sleep(phases[1] * 0.5)
+            impairment.loss = 0.0
+            await asyncio.sleep(phases[2] * 0.5 + 1.0)
+            onsets = find_onsets(client.received.signal(), probe)
+            call = next(iter(app[MANAGER_KEY].calls.values()))
+            lost = call.inbound.gaps
+        finally:
+            await client.close()
+    # Chirps come back in order; pair each with its uplink position by order, skipping any the loss
+    # ate (their distance would jump by a whole interval).
+    up = [RATE + k * INTERVAL for k in range(total)]
+    base = onsets[0] - up[0]
+    distances = []
+    for onset in onsets:
+        k = round((onset - base - RATE) / INTERVAL)
+        if 0 <= k < total:
+            distances.append((k, onset - up[k]))
+    before = [d for k, d in distances if k < phases[0]]
+    after = [d for k, d in distances if k >= phases[0] + phases[1] + 2]
+    return before, after, lost
+
+
+async def test_uplink_loss_leaves_no_lasting_delay():
+    before, after, lost = await _distances("lowlatency")
+    assert lost > 0, "the emulated loss never reached the server"
+    assert len(before) >= 6 and len(after) >= 4
+    added = (np.median(after) - np.median(before)) / RATE * 1000
+    # aiortc's buffer keeps ~200 ms after a loss; ours must be back within a packet or two.
+    assert added < 45, f"{added:.0f} ms of delay kept after the loss"
