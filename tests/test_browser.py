@@ -11,6 +11,7 @@ The system Chromium is used (never a downloaded one); CI installs it (.ci/run).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import wave
 from contextlib import asynccontextmanager
@@ -76,6 +77,13 @@ def log_entry(page: Page, event_type: str, **data: str):
     return page.locator(selector)
 
 
+async def logged_json(page: Page, event_type: str) -> dict:
+    """The full JSON of the last logged event of a type, as a user sees it by opening the row."""
+    row = log_entry(page, event_type).last
+    await row.locator("summary").click()
+    return json.loads(await row.locator("pre").inner_text())
+
+
 async def open_page(context: BrowserContext, url: str) -> tuple[Page, list[str]]:
     page = await context.new_page()
     errors: list[str] = []
@@ -125,6 +133,17 @@ async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, long_utter
         await expect(page.locator("#engine-name")).to_have_text("echo")
         await expect(page.locator("#voice")).to_be_disabled()  # the echo engine has no voices
         await expect(page.locator("#epoch")).to_have_text("0")
+
+        # Sampling settings go to the server with session.update and come back in session.updated.
+        await page.fill("#temperature", "0.7")
+        await page.fill("#seed", "42")
+        await page.click("#apply-settings")
+        await expect(log_entry(page, "session.update")).to_have_count(1)
+        await expect(log_entry(page, "session.updated")).to_have_count(1, timeout=10_000)
+        sent = await logged_json(page, "session.update")
+        assert sent["session"] == {"temperature": 0.7, "seed": 42}, sent  # no voice: echo has none
+        updated = await logged_json(page, "session.updated")
+        assert updated["session"]["temperature"] == 0.7 and updated["session"]["seed"] == 42, updated
 
         # Uplink: the server's VAD heard the fake microphone's sentence.
         await expect(log_entry(page, "input_audio_buffer.speech_started").first).to_be_attached(timeout=30_000)

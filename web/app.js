@@ -59,7 +59,8 @@ const ui = {
 const BASE_URL = (new URLSearchParams(location.search).get("server") ?? "").replace(/\/+$/, "");
 const LOG_LIMIT = 400;
 const METRICS_WINDOWS = 10; // server timings are averaged over this many recent windows
-const VERBOSE_TYPES = new Set(["metrics", "ping", "pong", "playback.ack"]);
+// Per-window chatter, hidden from the log unless asked for.
+const VERBOSE_TYPES = new Set(["metrics", "ping", "pong", "playback.ack", "response.output_audio_codes.delta"]);
 const STORAGE_KEY = "lychee-rtc.settings";
 const PART_COLORS = ["#8e7cc3", "#e69138", "#f1c232", "#c2185b", "#45818e", "#6d9eeb", "#6aa84f"];
 
@@ -204,6 +205,7 @@ async function connect() {
   });
   state.call = call;
   state.connectedAt = performance.now();
+  ui.disconnect.disabled = false; // also cancels a call still being set up
   try {
     await call.connect({
       baseUrl: BASE_URL,
@@ -219,7 +221,6 @@ async function connect() {
   }
   if (call.closed) return;
   state.micMeter = new LevelMeter(context, call.mic);
-  ui.disconnect.disabled = false;
   ui.sessionId.textContent = call.sessionId ?? "—";
   logLocal(`offer answered: ${call.sessionId}`);
   refreshMicrophones(); // labels are readable now
@@ -237,7 +238,7 @@ function onConnectFailed(err) {
   logLocal(`offer refused: ${err.status} ${err.code} ${err.message}`);
   if (err.status === 503) {
     const wait = err.retryAfterS ?? 5;
-    showAlert(`The server is full: every session is in use (${err.message}). Try again in ${wait} s.`);
+    showAlert(`The server is full: all of its sessions are in use. Try again in ${wait} s.`);
     holdConnectButton(wait);
   } else if (err.status === 401) {
     showAlert("The server needs an access token, or the one given is wrong. Enter it under Voice and sampling.");

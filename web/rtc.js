@@ -89,11 +89,19 @@ export class RtcCall {
     this.sessionId = null;
     this.closed = false;
     this.sentCount = 0;
+    this.baseUrl = "";
+    this.auth = {};
   }
 
   /** Opens the microphone, negotiates with the server and resolves once the answer is applied. */
   async connect({ baseUrl = "", token = "", deviceId = "", session = {} } = {}) {
+    this.baseUrl = baseUrl;
+    this.auth = token ? { Authorization: `Bearer ${token}` } : {};
     this.mic = await openMicrophone(deviceId);
+    if (this.closed) { // disconnected while the permission prompt was up
+      this.mic.getTracks().forEach((t) => t.stop());
+      return;
+    }
     const pc = new RTCPeerConnection({ iceServers: [] });
     this.pc = pc;
     for (const track of this.mic.getAudioTracks()) pc.addTrack(track, this.mic);
@@ -111,13 +119,12 @@ export class RtcCall {
     await pc.setLocalDescription(await pc.createOffer());
     await iceGatheringComplete(pc);
 
-    const headers = { "Content-Type": "application/json" };
-    if (token) headers.Authorization = `Bearer ${token}`;
+    if (this.closed) return;
     let response;
     try {
       response = await fetch(`${baseUrl}/v1/rtc/offer`, {
         method: "POST",
-        headers,
+        headers: { "Content-Type": "application/json", ...this.auth },
         body: JSON.stringify({ type: "offer", sdp: pc.localDescription.sdp, session }),
       });
     } catch (err) {
@@ -125,8 +132,11 @@ export class RtcCall {
     }
     if (!response.ok) throw await readError(response);
     const answer = await response.json();
-    if (this.closed) return; // disconnected while the offer was in flight
     this.sessionId = answer.session_id;
+    if (this.closed) { // disconnected while the offer was in flight: free the slot it took
+      this.#deleteSession();
+      return;
+    }
     await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
   }
 
@@ -156,8 +166,15 @@ export class RtcCall {
   /** Ends the call politely (the server frees the slot at once), then locally. */
   close(reason = "disconnected") {
     if (this.closed) return;
-    this.send({ type: "session.close" });
+    // Without an open channel (a call that failed half-way) the HTTP resource is the way to end it.
+    if (!this.send({ type: "session.close" })) this.#deleteSession();
     this.#finish(reason);
+  }
+
+  #deleteSession() {
+    if (!this.sessionId) return;
+    fetch(`${this.baseUrl}/v1/sessions/${encodeURIComponent(this.sessionId)}`, { method: "DELETE", headers: this.auth })
+      .catch(() => { /* the server's connect timeout frees it anyway */ });
   }
 
   #onMessage(e) {
