@@ -215,3 +215,26 @@ async def test_bearer_token_is_enforced_when_configured():
         status, _, _ = await request("GET", url, "/v1/sessions", headers={"Authorization": "Bearer s3cret"})
         assert status == 200
         assert (await request("GET", url, "/healthz"))[0] == 200
+
+
+async def test_offer_with_audio_and_video_is_answered_and_video_is_drained(echo_server):
+    url, app = echo_server
+    from lychee_rtc.server.app import MANAGER_KEY
+
+    pc = RTCPeerConnection()
+    pc.addTransceiver(MicrophoneTrack(), direction="sendrecv")
+    pc.addTransceiver("video", direction="sendonly")
+    await pc.setLocalDescription(await pc.createOffer())
+    try:
+        status, headers, body = await request("POST", url, "/v1/rtc/offer",
+                                              json={"sdp": pc.localDescription.sdp, "type": "offer"})
+        assert status == 200
+        import json
+
+        answer = json.loads(body)
+        assert "m=audio" in answer["sdp"] and "m=video" in answer["sdp"]
+        call = app[MANAGER_KEY].calls[answer["session_id"]]
+        kinds = sorted(t.get_name().rsplit("-", 1)[1] for t in call.tasks if t.get_name().startswith("inbound"))
+        assert kinds == ["audio", "video"]
+    finally:
+        await pc.close()

@@ -75,3 +75,12 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
         if len(samples):
             previous = samples
             session.push_audio(samples)
+
+
+async def drain(track: MediaStreamTrack) -> None:
+    """Read and discard a track nobody needs, so its frames do not pile up."""
+    while True:
+        try:
+            await track.recv()
+        except MediaStreamError:
+            return

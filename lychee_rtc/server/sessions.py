@@ -20,7 +20,7 @@ from aiortc.sdp import candidate_from_sdp
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine
-from lychee_rtc.media.inbound import InboundCounters, consume_audio
+from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
@@ -51,6 +51,7 @@ class RtcCall:
     connected_at: float | None = None
     etag: str = ""
     whip: bool = False
+    has_audio: bool = False
     folded: dict[str, int] = field(default_factory=dict)  # counters already added to Prometheus
 
     def snapshot(self) -> dict:
@@ -160,11 +161,15 @@ class SessionManager:
 
         @pc.on("track")
         def on_track(track) -> None:
-            if track.kind != "audio":
-                return  # nothing to do with video; aiortc discards what nobody reads
-            install_jitter_buffer(pc, track, self.settings.rtc)
-            call.tasks.append(asyncio.create_task(consume_audio(track, session, call.inbound),
-                                                  name=f"inbound-{session.id}"))
+            # aiortc queues received frames without bound until someone reads them, so every track
+            # is consumed: the first audio track feeds the session, anything else is drained.
+            if track.kind == "audio" and not call.has_audio:
+                call.has_audio = True
+                install_jitter_buffer(pc, track, self.settings.rtc)
+                task = consume_audio(track, session, call.inbound)
+            else:
+                task = drain(track)
+            call.tasks.append(asyncio.create_task(task, name=f"inbound-{session.id}-{track.kind}"))
 
         @pc.on("datachannel")
         def on_datachannel(channel) -> None:

@@ -111,6 +111,7 @@ class DuplexSession:
         self._buffered: Callable[[], int] = lambda: 0
         self._tasks: list[asyncio.Task] = []
         self._clock_wake = asyncio.Event()
+        self._first_audio_ms: float | None = None  # reported with the next metrics event
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -424,6 +425,7 @@ class DuplexSession:
             record = self.ledger.get(ev.response_id)
             if record is not None and record.first_audio_at is None:
                 record.first_audio_at = self.clock()
+                self._first_audio_ms = 1000.0 * (record.first_audio_at - record.created_at)
                 self.observer.first_audio(record.first_audio_at - record.created_at)
             if not self.sink.write(ev.epoch, ev.response_id, ev.pcm):
                 self.counters.stale_audio_chunks += 1
@@ -467,11 +469,15 @@ class DuplexSession:
         elif isinstance(ev, WindowTiming):
             self.observer.window_timing(ev)
             if self.metrics_enabled:
+                extra = {}
+                if self._first_audio_ms is not None:
+                    extra["time_to_first_audio_ms"] = round(self._first_audio_ms, 3)
+                    self._first_audio_ms = None
                 self.emit("metrics", window_seq=ev.window_seq, queue_wait_ms=round(ev.queue_wait_ms, 3),
                           step_ms=round(ev.step_ms, 3), vocoder_ms=round(ev.vocoder_ms, 3),
                           batch_size=ev.batch_size,
                           deadline_ms=1000.0 * self.capabilities.window_samples / self.capabilities.input_rate,
-                          playout_depth_ms=round(self.sink.depth_ms, 1))
+                          playout_depth_ms=round(self.sink.depth_ms, 1), **extra)
         elif isinstance(ev, EngineError):
             self._error(ProtocolError(ev.code, ev.message, None,
                                       "invalid_request_error" if ev.code.startswith("input_") else "server_error"))
