@@ -151,7 +151,68 @@ def main() -> int:
                 floor = (a - ref_fp32[label]).abs().max().item()
                 mine = (b - ref_fp32[label]).abs().max().item()
                 print(f"[{name}]   vs fp32 reference: reference-bf16 {floor:.3e}, ours-bf16 {mine:.3e}")
+        if dtype == torch.float32:
+            streaming_check(ours, ref, tok, st, prefix, 12)
     return 0
+
+
+def streaming_check(ours, ref, tok, st, prefix, n_windows: int) -> None:
+    """Run our real-time runner (greedy: speech temperature 0, no n-gram rule, factors 1) with a
+    commit so it speaks, then score what it decided with the reference's teacher-forced forward:
+    every freely chosen text / speech / control token must be the reference's argmax."""
+    from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
+    from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
+
+    runner = LycheeRunner(ours, tok, 1, RunnerSettings(max_seq=1024, temperature=0.0, no_repeat_ngram=0,
+                                                       start_speak_factor=1.0, start_listen_factor=1.0))
+    runner.open(0, SessionOptions())
+    rng = np.random.default_rng(5)
+    wins = [(0.1 * rng.standard_normal(6400)).astype(np.float32) for _ in range(n_windows)]
+    for k, w in enumerate(wins):
+        if runner.slots[0].mode.value == "listening":
+            runner.apply_controls(0, [Control(ControlKind.COMMIT, 0)])
+        runner.step([(0, w, 0)])
+    s = runner.slots[0]
+    mels = torch.stack([ref_mel(torch.from_numpy(x)) for x in wins])
+    lens = torch.full((len(wins),), mels.shape[-1] - 2, dtype=torch.int32)
+    audio_ids = [st.audio_patch if i % 2 == 0 else st.audio_pad for i in range(len(s.text))]
+    with torch.no_grad():
+        out = ref(input_ids=torch.tensor([prefix + s.text]), stoken_ids=torch.tensor([s.stoken]),
+                  control_input_ids=torch.tensor([s.control]), audio_input_ids=torch.tensor([audio_ids]),
+                  prefix_input_ids=torch.tensor([prefix]), wavs=mels, wav_lens=lens, use_cache=False)
+    p = len(prefix)
+    hi = runner.cfg.stoken_token_ids_max
+    n_text = n_speech = n_ctrl = bad = 0
+    for q in range(len(s.text) - 1):
+        nt, ns, nc = s.text[q + 1], s.stoken[q + 1], s.control[q + 1]
+        if nt not in (st.text_pad, st.tts_pad):
+            n_text += 1
+            bad += int(out.logits[0, p + q].argmax().item() != nt)
+        if st.audio_code_min <= ns < hi or ns == st.tts_end:
+            n_speech += 1
+            row = out.stoken_logits[0, p + q].clone()
+            keep = torch.zeros_like(row, dtype=torch.bool)
+            keep[st.audio_code_min:hi] = True
+            keep[st.tts_end] = True
+            bad += int(row.masked_fill(~keep, -1e30).argmax().item() != ns)
+        if (q + 1) % 10 == 9 and q >= 9:
+            n_ctrl += 1
+            pair = (st.start_speaking, st.keep_listening) if nc in pair_l(st) else (st.start_listening, st.keep_speaking)
+            row = out.control_logits[0, p + q]
+            want = pair[0] if row[pair[0]] >= row[pair[1]] else pair[1]
+            forced = nc == st.start_speaking and row[pair[0]] < row[pair[1]]  # a commit forced S-S
+            bad += int(want != nc and not forced)
+    print(f"[fp32] streaming runner vs reference teacher-forced argmax over {len(wins)} windows: "
+          f"{n_text} text, {n_speech} speech, {n_ctrl} control decisions checked, {bad} disagreements")
+
+
+def pair_l(st):
+    return (st.start_speaking, st.keep_listening)
+
+
+def ref_mel(x):
+    msa = importlib.import_module("Models.modeling_step_audio_2")
+    return msa.log_mel_spectrogram(x, n_mels=128, padding=479)
 
 
 if __name__ == "__main__":
