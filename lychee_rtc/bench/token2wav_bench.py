@@ -121,7 +121,7 @@ def bench_vocoder(model: Token2Wav, size: str, concurrency: int, rounds: int = 2
         if any(not ev for ev in out):
             raise RuntimeError(f"round {r}: a stream produced no audio: {out}")
     hop = times[1:]
-    q = statistics.quantiles(hop, n=20) if len(hop) >= 2 else hop * 19
+    q = statistics.quantiles(hop, n=20, method="inclusive") if len(hop) >= 2 else hop * 19
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return VocoderBenchResult(
         size=size, device=str(device), dtype=str(model.flow.dtype).removeprefix("torch."),

@@ -37,7 +37,6 @@ class EncoderConfig:
     up_stride: int = 2
     up_scale_factor: float = 2.0
     key_bias: bool = True
-    pos_max_len: int = 5000  # rows of the rel-pos table on each side (EspNet default)
 
     @property
     def head_dim(self) -> int:

@@ -86,9 +86,10 @@ class RelPositionAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.h, self.d_k).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None,
-                key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B,T,D]; cache [B,H,Lc,2dk] (oldest first); key_mask [B, Lc+T] bool or None."""
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None, key_mask: torch.Tensor | None,
+                pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B,T,D]; cache [B,H,Lc,2dk] (oldest first); key_mask [B, Lc+T] bool or None;
+        pe: ``rel_position_rows`` for r = Lc+T-1 .. -(T-1)."""
         b, t, _ = x.shape
         q = self._heads(self.linear_q(x))
         k = self._heads(self.linear_k(x))
@@ -101,7 +102,6 @@ class RelPositionAttention(nn.Module):
         n_keys = k.shape[2]
         # Query i sits at absolute position n_keys - t + i, key j at j: r = n_keys - t + i - j,
         # which spans [-(t-1), n_keys-1]. Rows are ordered r descending, so row(r) = n_keys-1-r.
-        pe = rel_position_rows(self.h * self.d_k, n_keys - 1, -(t - 1), x.device, x.dtype)
         p = self.linear_pos(pe).view(1, -1, self.h, self.d_k).transpose(1, 2)  # [1,H,n_keys+t-1,dk]
         u = self.pos_bias_u.unsqueeze(1)  # [H,1,dk]
         vb = self.pos_bias_v.unsqueeze(1)
@@ -142,8 +142,8 @@ class ConformerLayer(nn.Module):
         self.norm_mha = nn.LayerNorm(cfg.output_size, eps=1e-12)
         self.norm_ff = nn.LayerNorm(cfg.output_size, eps=1e-12)
 
-    def forward(self, x, cache, key_mask):
-        att, new_cache = self.self_attn(self.norm_mha(x), cache, key_mask)
+    def forward(self, x, cache, key_mask, pe):
+        att, new_cache = self.self_attn(self.norm_mha(x), cache, key_mask, pe)
         x = x + att
         x = x + self.feed_forward(self.norm_ff(x))
         return x, new_cache
@@ -213,7 +213,6 @@ class UpsampleConformerEncoder(nn.Module):
         Returns frames [B, stride*(n-L), D] (or stride*n when ``last_chunk``) and the new cache.
         ``lengths``: true token-rate cache length per batch row when ``cache.kv`` is left-padded.
         """
-        b = xs.shape[0]
         x = self.embed(xs)
         if last_chunk:  # the reference zero-pads the look-ahead *after* the embedding
             x = F.pad(x, (0, 0, 0, self.cfg.pre_lookahead_len))
@@ -228,17 +227,20 @@ class UpsampleConformerEncoder(nn.Module):
             s = self.cfg.up_stride
             ar2 = torch.arange(s * (lt + t1), device=xs.device)
             mask2 = ar2.unsqueeze(0) >= (s * starts).unsqueeze(1)
+        d = self.cfg.output_size
+        pe = rel_position_rows(d, lt + t1 - 1, -(t1 - 1), xs.device, x.dtype)
         new_kv = []
         for idx, layer in enumerate(self.encoders):
-            x, kv = layer(x, cache.kv[idx], mask1)
+            x, kv = layer(x, cache.kv[idx], mask1, pe)
             new_kv.append(kv)
         y, up_conv = self.up_layer(x.transpose(1, 2), cache.up_conv)
         x = self.up_embed(y.transpose(1, 2))
+        l2, t2 = cache.up_kv.shape[3], x.shape[1]
+        pe = rel_position_rows(d, l2 + t2 - 1, -(t2 - 1), xs.device, x.dtype)
         new_up_kv = []
         for idx, layer in enumerate(self.up_encoders):
-            x, kv = layer(x, cache.up_kv[idx], mask2)
+            x, kv = layer(x, cache.up_kv[idx], mask2, pe)
             new_up_kv.append(kv)
         x = self.after_norm(x)
-        del b
         return x, EncoderCache(pre_conv=pre_conv, up_conv=up_conv,
                                kv=torch.stack(new_kv), up_kv=torch.stack(new_up_kv))
