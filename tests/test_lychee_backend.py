@@ -133,3 +133,24 @@ def test_vocoder_seam_turns_codes_into_audio(ckpt):
     assert vocs[0].cancelled >= 1
     done = [e for e in events if isinstance(e, ResponseDone)]
     assert all(d.status in ("completed", "incomplete") for d in done)
+
+
+def test_tiny_checkpoint_cli_and_step_bench(tmp_path):
+    from lychee_rtc.bench.lychee_step import bench_runner, format_table
+    from lychee_rtc.engine.lychee.checkpoint import load_model
+    from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
+    from lychee_rtc.engine.lychee.tiny import main as tiny_main
+    from lychee_rtc.engine.lychee.tokenizer import Tokenizer
+
+    out = tmp_path / "tiny"
+    assert tiny_main([str(out), "--seed", "2", "--decision-bias", "4"]) == 0
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json", "vocab.json",
+                 "merges.txt", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    torch.set_num_threads(1)
+    runner = LycheeRunner(load_model(out, dtype="fp32", progress=False), Tokenizer.from_dir(out), 2,
+                          RunnerSettings(max_seq=512, max_speech_tokens=10**6))
+    with torch.no_grad():
+        stats = bench_runner(runner, 2, windows=2, warmup=1)
+    assert {s.mode for s in stats} == {"listen", "speak"}
+    assert "| C2 | speak |" in format_table(stats)
