@@ -24,6 +24,7 @@ from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
 from conftest import running_server
 from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.server.app import MANAGER_KEY
 
 CHROMIUM = "/usr/bin/chromium"
 RATE = 48000
@@ -123,8 +124,8 @@ async def received(page: Page, seconds: float) -> dict[str, float]:
     return await page.evaluate(RECEIVED, seconds)
 
 
-async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, long_utterance):
-    mic = write_mic_wav(tmp_path / "mic.wav", long_utterance)
+async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, utterance):
+    mic = write_mic_wav(tmp_path / "mic.wav", utterance)
     async with running_server() as (url, app), chromium(tmp_path, mic) as context:
         page, errors = await open_page(context, url)
         await page.click("#connect")
@@ -213,7 +214,6 @@ async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, long_utter
         await page.click("#disconnect")
         await expect(page.locator("#conn-status")).to_have_attribute("data-status", "idle")
         await expect(page.locator("#connect")).to_be_enabled()
-        from lychee_rtc.server.app import MANAGER_KEY
         for _ in range(100):
             if not app[MANAGER_KEY].calls:
                 break
@@ -223,7 +223,7 @@ async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, long_utter
 
 
 async def test_a_full_server_refusal_is_shown(tmp_path):
-    async with running_server(session={"max_sessions": 1, "retry_after_s": 7}) as (url, _):
+    async with running_server(session={"max_sessions": 1, "retry_after_s": 2}) as (url, _):
         occupant = RtcClient(url)
         await occupant.connect()
         try:
@@ -234,11 +234,14 @@ async def test_a_full_server_refusal_is_shown(tmp_path):
                 await expect(alert).to_be_visible(timeout=30_000)
                 await expect(alert).to_have_attribute("role", "alert")
                 await expect(alert).to_contain_text("server is full")
-                await expect(alert).to_contain_text("7 s")  # the Retry-After the server sent
+                await expect(alert).to_contain_text("Try again in 2 s")  # the Retry-After the server sent
                 await expect(page.locator("#conn-status")).to_have_text("Server full")
                 await expect(page.locator("#connect")).to_be_disabled()
                 await expect(page.locator("#connect")).to_contain_text("Retry in")
                 await expect(page.locator("#log")).to_contain_text("503")
+                # Connect comes back once Retry-After has passed.
+                await expect(page.locator("#connect")).to_have_text("Connect", timeout=10_000)
+                await expect(page.locator("#connect")).to_be_enabled()
                 assert not errors, errors
         finally:
             await occupant.close()
