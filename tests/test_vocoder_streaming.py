@@ -192,3 +192,13 @@ def test_to_pcm16_truncates_like_the_reference():
 def test_offline_synthesis_length(model, voices):
     wav = model.synthesize(codes(12), voices[0], generator=torch.Generator().manual_seed(0))
     assert wav.shape == (12 * 960,) and np.isfinite(wav).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_flow_streams(tmp_path, dtype):
+    model = Token2Wav.load(write_tiny_token2wav(tmp_path / "token2wav", seed=5), dtype=dtype)
+    voice = model.prepare_voice("a", write_test_prompt(tmp_path / "a.wav", seconds=1.0, seed=1))
+    s = VocoderStream(model, voice, 0, "r", seed=1)
+    out = run(s, codes(30)) + s.finish()
+    assert [e.pcm.size for e in out][:2] == [5760, 9600] and sum(e.pcm.size for e in out) == 960 * 30
+    assert all(e.pcm.dtype == np.float32 and np.isfinite(e.pcm).all() for e in out)
