@@ -241,3 +241,20 @@ def test_ngram_rule_bans_repeats():
     assert set(ids[valid].tolist()) == {8}
     ids, valid = ngram_banned(hist, torch.tensor([2]), 4)
     assert not valid.any()
+
+
+def test_session_instructions_become_the_system_prefix(model, tok):
+    r = LycheeRunner(model, tok, 2, RunnerSettings(max_seq=512, **GREEDY))
+    r.open(0, SessionOptions(instructions="Answer briefly."))
+    r.open(1, SessionOptions())
+    s = r.slots[0]
+    assert tok.decode(s.prefix_ids) == "<|BOT|>system\nAnswer briefly.<|EOT|>"
+    assert r.slots[1].prefix_ids == r.prefix_ids
+    wins = windows(4, 3)
+    run(r, {0: wins, 1: wins}, controls={(0, 0): [Control(ControlKind.COMMIT, 0)]})
+    out = score_teacher_forced(model, r.tok, s.prefix_ids, s.text, s.stoken, s.control, np.concatenate(wins))
+    p = s.prefix_len
+    for q in range(39):
+        nt = s.text[q + 1]
+        if nt not in (r.tok.text_pad, r.tok.tts_pad):
+            assert out.text_logits[p + q].argmax().item() == nt, q

@@ -55,11 +55,13 @@ from .sampling import (
     sample_speech,
     sample_text,
 )
-from .tokenizer import SYSTEM_PREFIX, IncrementalDetokenizer, Tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
 CHUNK = 10  # positions per 400 ms window (validated in config)
+DEFAULT_INSTRUCTIONS = "You are a helpful assistant."
+SYSTEM_TEMPLATE = "<|BOT|>system\n{instructions}<|EOT|>"  # the reference's fixed prefix for the default
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class SlotState:
     text: list[int] = field(default_factory=list)
     stoken: list[int] = field(default_factory=list)
     control: list[int] = field(default_factory=list)
+    prefix_ids: list[int] = field(default_factory=list)  # system prefix, prefilled at positions 0..P-1
     fed: int = 0
     window: int = 0  # index k of the next window (it decides positions up to 10k+9)
     force_listen: bool = False
@@ -107,6 +110,10 @@ class SlotState:
     generator: torch.Generator | None = None
     codes_dropped: int = 0
     context_resets: int = 0
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix_ids)
 
 
 @dataclass
@@ -128,8 +135,11 @@ class LycheeRunner:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.max_sessions = max_sessions
-        self.prefix_ids = tokenizer.encode(SYSTEM_PREFIX)
+        # The default system prefix (the reference's, fixed); a session may bring its own
+        # instructions (vLLM-Omni's template), capped so that most of the context stays for audio.
+        self.prefix_ids = self.system_prefix(None)
         self.prefix_len = len(self.prefix_ids)
+        self.max_prefix = max(self.prefix_len, settings.max_seq // 4)
         if settings.max_seq < self.prefix_len + 4 * CHUNK:
             raise ValueError(f"max_seq {settings.max_seq} leaves no room after the {self.prefix_len}-token prefix")
         self.max_post = settings.max_seq - self.prefix_len
@@ -145,18 +155,30 @@ class LycheeRunner:
         self.listen_rows = torch.tensor([t.start_speaking, t.keep_listening], device=self.device)
         self.speak_rows = torch.tensor([t.start_listening, t.keep_speaking], device=self.device)
         # Device rows indexed by slot: the speech channel (for the 4-gram rule) and rule counters.
-        self.speech_history = torch.full((max_sessions, self.max_post), t.stoken_pad, dtype=torch.long, device=self.device)
+        self.speech_history = torch.full((max_sessions, settings.max_seq), t.stoken_pad, dtype=torch.long, device=self.device)
         z = torch.zeros(max_sessions, dtype=torch.long, device=self.device)
         self.text_rule = TextRuleState(z.clone(), z.clone().bool())
         self.speech_rule = SpeechRuleState(z.clone(), z.clone(), z.clone().bool())
         self.slots: list[SlotState | None] = [None] * max_sessions
         self._rid_prefix = "resp_"
 
+    def system_prefix(self, instructions: str | None) -> list[int]:
+        text = SYSTEM_TEMPLATE.format(instructions=instructions or DEFAULT_INSTRUCTIONS)
+        return self.tokenizer.encode(text)
+
     # ------------------------------------------------------------------------------------------
     # slot lifecycle
 
     def open(self, slot: int, options: SessionOptions) -> None:
         state = SlotState(index=slot)
+        if options.instructions:
+            ids = self.system_prefix(options.instructions)
+            if len(ids) > self.max_prefix:
+                log.warning("slot %d: instructions of %d tokens cut to %d", slot, len(ids), self.max_prefix)
+                ids = ids[: self.max_prefix - 1] + ids[-1:]  # keep the closing <|EOT|>
+            state.prefix_ids = ids
+        else:
+            state.prefix_ids = list(self.prefix_ids)
         state.temperature = self.settings.temperature if options.temperature is None else options.temperature
         seed = options.seed if options.seed is not None else self.settings.seed * 1000003 + slot
         state.generator = torch.Generator(device=self.device).manual_seed(int(seed))
@@ -184,11 +206,12 @@ class LycheeRunner:
         state.window = 0
         state.mode = Mode.LISTENING
         state.forced_decision = None
-        prefix = torch.tensor([self.prefix_ids], device=self.device)
+        ids = state.prefix_ids
+        prefix = torch.tensor([ids], device=self.device)
         rows = torch.tensor([state.index], device=self.device)
-        pos = torch.arange(self.prefix_len, device=self.device)[None]
+        pos = torch.arange(len(ids), device=self.device)[None]
         # Merge at the last prefix position sees the first post-prefix text token, <|TextPad|>.
-        nxt = torch.tensor([self.prefix_ids[1:] + [t.text_pad]], device=self.device)
+        nxt = torch.tensor([ids[1:] + [t.text_pad]], device=self.device)
         e = self.model.embed_tokens
         self.model.forward_positions(e(prefix), e(nxt), self.model.context(pos, rows))
 
@@ -272,7 +295,7 @@ class LycheeRunner:
     def _context_policy(self, state: SlotState, res: SlotResult) -> None:
         """Never run past the static cache; reset the conversation while listening when close."""
         k = state.window
-        capacity = (self.max_post - CHUNK) // CHUNK  # windows that fit after the current one
+        capacity = (self.settings.max_seq - state.prefix_len - CHUNK) // CHUNK  # windows that fit
         left = capacity - k
         if state.mode is Mode.SPEAKING and left <= 1:
             rid = state.response_id
@@ -281,9 +304,12 @@ class LycheeRunner:
             if rid is not None:
                 res.events.append(ResponseDone(state.epoch, rid, "incomplete", "context_limit"))
             res.events.append(TurnState(state.epoch, "listening", "context_limit"))
-        if state.mode is Mode.LISTENING and left <= self.settings.context_reserve_windows:
+        # Never let the reserve exceed half the context (a long system prompt shrinks it).
+        reserve = min(self.settings.context_reserve_windows, capacity // 2)
+        if state.mode is Mode.LISTENING and left <= reserve:
             state.context_resets += 1
-            log.info("slot %d: context limit (%d positions); conversation memory reset", state.index, self.max_post)
+            log.info("slot %d: context limit (%d positions); conversation memory reset", state.index,
+                     self.settings.max_seq)
             res.events.append(EngineError(state.epoch, "context_reset",
                                           f"the model's context ({self.settings.max_seq} positions, "
                                           f"{self.settings.max_seq * 0.04:.0f} s) is nearly full: its memory of "
@@ -325,7 +351,7 @@ class LycheeRunner:
         stoken = torch.tensor([s.stoken[s.fed:] for s in batch], device=dev)
         control = torch.tensor([s.control[s.fed:] for s in batch], device=dev)
         audio = torch.stack([self._audio_slots(s, feats[i], n) for s, i in zip(batch, group)])
-        pos = torch.tensor([[self.prefix_len + s.fed + j for j in range(n)] for s in batch], device=dev)
+        pos = torch.tensor([[s.prefix_len + s.fed + j for j in range(n)] for s in batch], device=dev)
         decision = self.listen_window(text, stoken, control, audio, pos, self._rows([s.index for s in batch]))
         choice, probs = control_decision(decision, self.settings.start_speak_factor)
         choice_l, probs_l = choice.tolist(), probs.tolist()  # the one host transfer of this group
@@ -382,7 +408,7 @@ class LycheeRunner:
         rows_t = torch.tensor(slots, device=dev)
         audio = torch.stack([self._audio_slots(s, feats[i], CHUNK) for s, i in zip(batch, idx)])
         pending = torch.tensor([[s.text[-1], s.stoken[-1], s.control[-1]] for s in batch], device=dev)
-        base_pos = torch.tensor([[self.prefix_len + s.fed] for s in batch], device=dev)
+        base_pos = torch.tensor([[s.prefix_len + s.fed] for s in batch], device=dev)
         hist_len = torch.tensor([len(s.stoken) for s in batch], device=dev)
         temperature = torch.tensor([s.temperature for s in batch], device=dev, dtype=torch.float32)
         gens = [s.generator for s in batch]
@@ -397,8 +423,6 @@ class LycheeRunner:
     def speak_window(self, pending: Tensor, audio: Tensor, base_pos: Tensor, hist_len: Tensor, rows_t: Tensor,
                      rows: Tensor | None, temperature: Tensor, generators: list) -> tuple[Tensor, Tensor]:
         """Ten decode steps for B speaking rows. Returns tokens (B, 10, 3) and slot-9 probabilities."""
-        t = self.tok
-        s_ = self.settings
         text_rule = TextRuleState(self.text_rule.count[rows_t], self.text_rule.has_eos[rows_t])
         speech_rule = SpeechRuleState(self.speech_rule.prefix_count[rows_t], self.speech_rule.count[rows_t],
                                       self.speech_rule.has_eos[rows_t])
@@ -416,7 +440,6 @@ class LycheeRunner:
         self.text_rule.count[rows_t], self.text_rule.has_eos[rows_t] = text_rule.count, text_rule.has_eos
         self.speech_rule.prefix_count[rows_t] = speech_rule.prefix_count
         self.speech_rule.count[rows_t], self.speech_rule.has_eos[rows_t] = speech_rule.count, speech_rule.has_eos
-        del t, s_
         return torch.stack(outs, dim=1), probs
 
     def speak_step(self, j: int, cur: Tensor, audio: Tensor, pos: Tensor, hist_len: Tensor, rows_t: Tensor,
