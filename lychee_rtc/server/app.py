@@ -82,6 +82,11 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
                             response.headers[k] = exc.headers[k]
                 else:
                     raise
+    if request.path == "/" or request.path.startswith("/static/"):
+        # The page is ES modules: revalidate so an upgrade never runs a stale mix of files.
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["Content-Security-Policy"] = (
+            "default-src 'self'; connect-src *; media-src 'self' blob: mediastream:; img-src 'self' data:")
     if allow is not None:
         response.headers["Access-Control-Allow-Origin"] = allow
         response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE
