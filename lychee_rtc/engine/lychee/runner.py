@@ -320,15 +320,12 @@ class LycheeRunner:
 
     def _audio_slots(self, state: SlotState, feats: Tensor, n: int) -> Tensor:
         """(n, H): feature j of this window at position 10k+2j, E[<|AudioPad|>] elsewhere."""
-        k = state.window
-        first = state.fed
+        start = state.window * CHUNK
+        idx = [(p - start) // 2 if p >= start and p % 2 == 0 else -1 for p in range(state.fed, state.fed + n)]
+        idx_t = torch.tensor(idx, device=feats.device)
         pad = self.model.embed_tokens.weight[self.tok.audio_pad]
-        out = pad.expand(n, -1).clone()
-        for t in range(n):
-            p = first + t
-            if p >= k * CHUNK and p % 2 == 0:
-                out[t] = feats[(p - k * CHUNK) // 2].to(out.dtype)
-        return out
+        picked = feats[idx_t.clamp(min=0)].to(pad.dtype)
+        return torch.where((idx_t >= 0)[:, None], picked, pad)
 
     def _rows(self, slots: list[int]) -> Tensor | None:
         if slots == list(range(len(slots))):
