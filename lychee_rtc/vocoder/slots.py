@@ -17,6 +17,7 @@ applies from the next response.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections import deque
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -95,7 +96,8 @@ class SlotTokenVocoder:
                 s.cancel()
                 self._ended.append(s.response_id)
             voice = self.pool.voices.get(self.voice_name)
-            seed = None if self.seed is None else hash((self.seed, response_id)) & 0x7FFFFFFF
+            # stable across processes (str hashes are salted), distinct per response
+            seed = None if self.seed is None else zlib.crc32(f"{self.seed}:{response_id}".encode())
             s = VocoderStream(self.pool.model, voice, self._epoch, response_id, rules=self.pool.rules,
                               fence=self._fence, seed=seed)
             self._stream = s

@@ -140,11 +140,15 @@ class Flow(nn.Module):
                 kv=new_enc.kv[:, i:i + 1, :, new_enc.kv.shape[3] - (enc_lengths[i] + h.shape[1] // self.cfg.up_rate):],
                 up_kv=new_enc.up_kv[:, i:i + 1, :, new_enc.up_kv.shape[3] - (self.cfg.up_rate * enc_lengths[i] + h.shape[1]):],
             )
-            rows = [i, b + i]
-            a = new_att[:, :, rows, :, : tm + est_lengths[i]]
+            if b == 1:  # the common C1 case: no per-stream gather copy
+                a, c = new_att, new_cnn
+            else:
+                rows = [i, b + i]
+                a = new_att[:, :, rows, :, : tm + est_lengths[i]]
+                c = new_cnn[:, :, rows]
             a = trim_estimator_cache(a, s.prompt_frames, ESTIMATOR_KEEP_FRAMES)
             out.append(FlowState(spk=s.spk, prompt_frames=s.prompt_frames, encoder=e_cache,
-                                 estimator=EstimatorCache(att=a.contiguous(), cnn=new_cnn[:, :, rows].contiguous())))
+                                 estimator=EstimatorCache(att=a.contiguous(), cnn=c.contiguous())))
         return mel, out
 
 
