@@ -133,10 +133,17 @@ def load_model(
     cfg = config or load_config(root)
     torch_dtype = parse_dtype(dtype)
     device = torch.device(device)
-    with torch.device("meta"):
-        model = LycheeFD(cfg)
+    # Build on meta in the target dtype, so materialising allocates the weights once, already in
+    # bf16/fp16 (an fp32 build then cast would peak at 3x the bf16 size on the GPU).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device("meta"):
+            model = LycheeFD(cfg)
+    finally:
+        torch.set_default_dtype(previous)
     inventory = check_inventory(root, expected_inventory(model))
-    model = model.to_empty(device=device).to(torch_dtype)
+    model = model.to_empty(device=device)
     targets = checkpoint_targets(model)
     by_shard: dict[str, list[str]] = {}
     for name in targets:
