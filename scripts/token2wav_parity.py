@@ -27,14 +27,22 @@ import numpy as np
 import torch
 
 
-def stub_librosa() -> None:
-    """Only flashcosyvoice's prompt-mel helper imports librosa; we never call it."""
+def stub_librosa() -> bool:
+    """Only flashcosyvoice's prompt-mel helper imports librosa. Without librosa it is stubbed and
+    the prompt-mel comparison is skipped. Returns whether the real librosa is available."""
+    try:
+        import librosa  # noqa: F401
+
+        return True
+    except ImportError:
+        pass
     librosa = types.ModuleType("librosa")
     filters = types.ModuleType("librosa.filters")
     filters.mel = lambda **_: (_ for _ in ()).throw(RuntimeError("librosa stub"))
     librosa.filters = filters
     sys.modules.setdefault("librosa", librosa)
     sys.modules.setdefault("librosa.filters", filters)
+    return False
 
 
 class CpuTorch:
@@ -83,7 +91,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     sys.path.insert(0, str(Path(args.reference).resolve()))
-    stub_librosa()
+    have_librosa = stub_librosa()
     import token2wav as ref_t2w  # the reference module
     from flashcosyvoice.modules.hifigan import ConvRNNF0Predictor, HiFTGenerator as RefHiFT
     from hyperpyyaml import load_hyperpyyaml
@@ -194,6 +202,24 @@ def main() -> int:
         report["stream_pcm_max_abs_diff_lsb"] = int(np.abs(r - o).max())
         report["stream_pcm_mean_abs_diff_lsb"] = float(np.abs(r - o).mean())
         report["stream_pcm_peak_lsb"] = int(np.abs(r).max())
+    # 4. prompt mel from a 16 kHz recording (resample to 24 kHz, log-mel, resize to 2N frames)
+    if have_librosa:
+        import torchaudio
+        from flashcosyvoice.utils.audio import mel_spectrogram
+
+        from lychee_rtc.vocoder.token2wav.frontend import resample
+
+        t16 = torch.arange(int(2.3 * 16000)) / 16000
+        wav16 = (0.3 * torch.sin(2 * np.pi * (120 + 40 * t16) * t16) + 0.02 * torch.randn(t16.shape, generator=g))[None]
+        n = 57
+        ref_audio = torchaudio.transforms.Resample(orig_freq=16000, new_freq=24000)(wav16)
+        ref_pm = mel_spectrogram(ref_audio).transpose(1, 2)
+        ref_pm = torch.nn.functional.pad(ref_pm, (0, 0, 0, 2 * n - ref_pm.shape[1]), mode="replicate")
+        our_audio = resample(wav16, 16000, 24000)
+        our_pm = prompt_mel(our_audio[0], n)
+        report["prompt_resample_max_abs_diff"] = float((ref_audio - our_audio).abs().max())
+        report["prompt_mel_shape"] = [list(ref_pm.shape), list(our_pm.shape)]
+        report["prompt_mel_max_abs_diff"] = float((ref_pm - our_pm).abs().max())
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -65,3 +65,34 @@ def test_voice_bank_bound_and_selection(model, tmp_path):
         bank.get("zzz")
     with pytest.raises(FileNotFoundError):
         VoiceBank(model, {"x": tmp_path / "missing.wav"})
+
+
+def test_released_tokenizer_goes_through_s3tokenizer(tmp_path, monkeypatch):
+    """A graph with the released initializer names is run by s3tokenizer (mocked here: the real
+    graph is 496 MB); the glue passes [1,128,T] log-mel + lengths and trims to the code length."""
+    import s3tokenizer
+
+    from lychee_rtc.vocoder.token2wav import frontend as fe
+
+    seen = {}
+
+    class FakeS3:
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+        def quantize(self, mels, lens):
+            seen["mels"], seen["lens"] = mels.shape, lens.tolist()
+            n = ((int(lens[0]) + 1) // 2 + 1) // 2
+            return torch.arange(n + 3, dtype=torch.int32).view(1, -1) % 6561, torch.tensor([n], dtype=torch.int32)
+
+    folder = write_tiny_token2wav(tmp_path / "token2wav", seed=1)
+    monkeypatch.setattr(fe.PromptFrontend, "_is_released_tokenizer", staticmethod(lambda path: True))
+    monkeypatch.setattr(s3tokenizer, "load_model", lambda path: FakeS3())
+    front = fe.PromptFrontend(folder)
+    assert front.tokenizer_backend == "s3tokenizer"
+    tokens = front.speech_tokens(torch.zeros(16000))
+    assert seen["mels"][:2] == (1, 128) and seen["lens"] == [100]
+    assert tokens.dtype == torch.int32 and tokens.shape == (1, 25)
