@@ -143,7 +143,7 @@ def test_tiny_checkpoint_cli_and_step_bench(tmp_path):
     from lychee_rtc.engine.lychee.tokenizer import Tokenizer
 
     out = tmp_path / "tiny"
-    assert tiny_main([str(out), "--seed", "2", "--decision-bias", "4"]) == 0
+    assert tiny_main([str(out), "--seed", "2", "--decision-bias", "4", "--no-vocoder"]) == 0
     for name in ("config.json", "generation_config.json", "model.safetensors.index.json", "vocab.json",
                  "merges.txt", "tokenizer_config.json"):
         assert (out / name).is_file(), name
@@ -154,3 +154,29 @@ def test_tiny_checkpoint_cli_and_step_bench(tmp_path):
         stats = bench_runner(runner, 2, windows=2, warmup=1)
     assert {s.mode for s in stats} == {"listen", "speak"}
     assert "| C2 | speak |" in format_table(stats)
+
+
+def test_token2wav_section_builds_the_vocoder(ckpt, tmp_path):
+    from lychee_rtc.engine.lychee.tiny import TinySpec
+    from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
+
+    t2w = write_tiny_vocoder(tmp_path, seed=0)
+    talker = write_tiny_checkpoint(tmp_path / "talker", seed=5, spec=TinySpec(decision_bias=4.0))
+    with pytest.raises(SettingsError, match=r"engine\.lychee\.token2wav"):
+        LycheeEngineSettings.from_mapping(options(ckpt, token2wav={**t2w, "hop": "ten"}))
+    be = build_lychee_backend(options(talker, token2wav=t2w), 1)
+    assert be.capabilities.audio_output == "pcm" and "default" in be.capabilities.voices
+    be.open_slot(0, SessionOptions(seed=3))
+    rng = np.random.default_rng(0)
+    events = []
+    for k in range(5):  # S-S, delay prefix, then > 13 codes (one hop + look-ahead) by window 4
+        controls = (Control(ControlKind.COMMIT, 0),) if k == 0 else ()
+        (out,) = be.step([SlotWindow(0, (0.1 * rng.standard_normal(6400)).astype(np.float32), k, 0, controls)])
+        events += out
+    assert not any(isinstance(e, CodecTokens) for e in events)
+    audio = [e for e in events if isinstance(e, AudioChunk)]
+    started = [e for e in events if isinstance(e, ResponseStarted)]
+    assert audio and {a.response_id for a in audio} == {started[0].response_id}
+    assert all(a.pcm.dtype == np.float32 and a.pcm.size for a in audio)
+    assert [a.seq for a in audio] == sorted(a.seq for a in audio)
+    be.close_slot(0)

@@ -24,6 +24,7 @@ import torch
 from ..base import (
     AudioChunk,
     CodecTokens,
+    ResponseDone,
     Control,
     ControlKind,
     EngineCapabilities,
@@ -67,6 +68,9 @@ class LycheeEngineSettings:
     context_reserve_windows: int = 25
     torch_threads: int | None = None  # CPU: 1 is fastest for the tiny model on a shared machine
     progress: bool = True
+    # The Token2Wav vocoder (shape and checks in lychee_rtc/vocoder/settings.py); absent or null:
+    # no vocoder, speech leaves as codes.
+    token2wav: dict | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "LycheeEngineSettings":
@@ -88,6 +92,8 @@ class LycheeEngineSettings:
                 ok = isinstance(value, bool)
             elif want.startswith("str"):
                 ok = isinstance(value, str)
+            elif want.startswith("dict"):
+                ok = value is None or isinstance(value, Mapping)
             if not ok:
                 raise SettingsError(f"engine.lychee.{key}: expected {want}, got {value!r}")
         s = cls(**values)
@@ -112,6 +118,13 @@ class LycheeEngineSettings:
             raise SettingsError("engine.lychee.no_repeat_ngram: must be >= 0")
         if s.temperature < 0:
             raise SettingsError("engine.lychee.temperature: must be >= 0")
+        if s.token2wav:
+            from lychee_rtc.vocoder.settings import Token2WavSettings, VocoderSettingsError
+
+            try:  # fail at start-up, naming the key, before any model is loaded
+                Token2WavSettings.from_mapping(s.token2wav, prefix="engine.lychee.token2wav")
+            except VocoderSettingsError as exc:
+                raise SettingsError(str(exc)) from None
         return s
 
     def runner_settings(self) -> RunnerSettings:
@@ -138,6 +151,12 @@ class SlotVocoder(Protocol):
 
     def cancel(self) -> None:
         """Drop the current stream at once (barge-in / client cancel); nothing more may come out."""
+
+    # Optional, used when present: ``update(options)`` (session.update: voice for the next
+    # response) and ``take_errors() -> list[EngineError]`` (failures the PCM seam cannot carry).
+    # A factory may offer ``voice_names`` (-> capabilities.voices) and
+    # ``push_many([(vocoder, response_id, codes, final), ...])`` to vocode every slot of a step
+    # as one batch.
 
 
 VocoderFactory = Callable[[int, SessionOptions], SlotVocoder]
@@ -171,6 +190,7 @@ class LycheeBackend:
             commit_hint=True,
             text_output=True,
             audio_output="pcm" if vocoder_factory is not None else "codes",
+            voices=tuple(getattr(vocoder_factory, "voice_names", ()) or ()),
         )
 
     # -- StepBackend --------------------------------------------------------------------------
@@ -188,10 +208,13 @@ class LycheeBackend:
         self.runner.close(slot)
 
     def apply_controls(self, slot: int, controls: Sequence[Control]) -> list[EngineEvent]:
-        if any(c.kind is ControlKind.CANCEL or c.kind is ControlKind.FORCE_LISTEN for c in controls):
-            voc = self.vocoders.get(slot)
-            if voc is not None:
-                voc.cancel()
+        voc = self.vocoders.get(slot)
+        if voc is not None:
+            for c in controls:
+                if c.kind is ControlKind.CANCEL or c.kind is ControlKind.FORCE_LISTEN:
+                    voc.cancel()
+                elif c.kind is ControlKind.UPDATE and c.options is not None and hasattr(voc, "update"):
+                    voc.update(c.options)
         return self.runner.apply_controls(slot, controls)
 
     def step(self, windows: Sequence[SlotWindow]) -> list[list[EngineEvent]]:
@@ -199,10 +222,8 @@ class LycheeBackend:
         for w in windows:
             pre.append(self.apply_controls(w.slot, w.controls) if w.controls else [])
         results = self.runner.step([(w.slot, w.window, w.epoch) for w in windows])
-        out: list[list[EngineEvent]] = []
-        for w, events, res in zip(windows, pre, results):
-            out.append(events + self._vocode(w.slot, res))
-        return out
+        vocoded = self._vocode([w.slot for w in windows], results)
+        return [events + out for events, out in zip(pre, vocoded)]
 
     # -- vocoder seam ---------------------------------------------------------------------------
 
@@ -210,29 +231,66 @@ class LycheeBackend:
         self._audio_seq[slot] = self._audio_seq.get(slot, -1) + 1
         return self._audio_seq[slot]
 
-    def _vocode(self, slot: int, res: SlotResult) -> list[EngineEvent]:
-        voc = self.vocoders.get(slot)
-        if voc is None:
-            return res.events
-        if res.cancelled:
-            voc.cancel()
-        t0 = time.monotonic()
-        events: list[EngineEvent] = []
-        for ev in res.events:
-            if isinstance(ev, CodecTokens):
-                for pcm in voc.push(ev.response_id, ev.codes, res.finished):
-                    events.append(AudioChunk(ev.epoch, ev.response_id, self._next_audio_seq(slot), pcm))
+    def _vocode(self, slots: list[int], results: list[SlotResult]) -> list[list[EngineEvent]]:
+        """Turn each slot's codes into PCM, all slots of the step in one batch when the factory
+        can (``push_many``). Codes of a response that was cancelled in this window are dropped,
+        never vocoded; a natural end flushes the held tail before ``ResponseDone``."""
+        jobs: list[tuple[int, SlotVocoder, str, tuple[int, ...], bool]] = []
+        for i, (slot, res) in enumerate(zip(slots, results)):
+            voc = self.vocoders.get(slot)
+            if voc is None:
                 continue
-            if getattr(ev, "kind", "") == "response_done" and res.finished and not res.codes:
-                for pcm in voc.push(ev.response_id, (), True):  # flush the held tail
-                    events.append(AudioChunk(ev.epoch, ev.response_id, self._next_audio_seq(slot), pcm))
-            events.append(ev)
-        ms = (time.monotonic() - t0) * 1000.0
-        events.append(WindowTiming(window_seq=-1, queue_wait_ms=0.0, step_ms=0.0, vocoder_ms=ms))
-        return events
+            if res.cancelled:
+                voc.cancel()
+                continue
+            codes = next((e.codes for e in res.events if isinstance(e, CodecTokens)), ())
+            if res.response_id is not None and (codes or res.finished):
+                jobs.append((i, voc, res.response_id, tuple(codes), res.finished))
+        t0 = time.monotonic()
+        push_many = getattr(self.vocoder_factory, "push_many", None)
+        if jobs and push_many is not None:
+            pcm = push_many([(v, r, c, f) for _, v, r, c, f in jobs])
+        else:
+            pcm = [v.push(r, c, f) for _, v, r, c, f in jobs]
+        vocoder_ms = (time.monotonic() - t0) * 1000.0
+        audio = {i: chunks for (i, *_), chunks in zip(jobs, pcm)}
+
+        out: list[list[EngineEvent]] = []
+        for i, (slot, res) in enumerate(zip(slots, results)):
+            voc = self.vocoders.get(slot)
+            if voc is None:
+                out.append(res.events)
+                continue
+            chunks = audio.get(i, [])
+            events: list[EngineEvent] = []
+            placed = False
+            for ev in res.events:
+                if isinstance(ev, CodecTokens) or (isinstance(ev, ResponseDone) and not placed):
+                    if not placed and res.response_id is not None and not res.cancelled:
+                        epoch = ev.epoch
+                        events += [AudioChunk(epoch, res.response_id, self._next_audio_seq(slot), c) for c in chunks]
+                        placed = True
+                    if isinstance(ev, CodecTokens):
+                        continue
+                events.append(ev)
+            take_errors = getattr(voc, "take_errors", None)
+            if take_errors is not None:
+                events += take_errors()
+            events.append(WindowTiming(window_seq=-1, queue_wait_ms=0.0, step_ms=0.0, vocoder_ms=vocoder_ms))
+            out.append(events)
+        return out
 
 
 def build_lychee_backend(options: Mapping[str, Any], max_sessions: int, *,
                          vocoder_factory: VocoderFactory | None = None) -> LycheeBackend:
-    """Entry point for engine/factory.py: validate ``engine.lychee`` and load the model."""
-    return LycheeBackend(LycheeEngineSettings.from_mapping(options), max_sessions, vocoder_factory=vocoder_factory)
+    """Entry point for engine/factory.py: validate ``engine.lychee`` and load the model.
+
+    With a ``token2wav`` section and no explicit ``vocoder_factory``, the Token2Wav pool is built
+    here, so the factory needs nothing vocoder-specific.
+    """
+    settings = LycheeEngineSettings.from_mapping(options)
+    if vocoder_factory is None and settings.token2wav:
+        from lychee_rtc.vocoder.settings import build_token2wav_pool
+
+        vocoder_factory = build_token2wav_pool(settings.token2wav)
+    return LycheeBackend(settings, max_sessions, vocoder_factory=vocoder_factory)

@@ -267,6 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--no-vocoder", action="store_true",
+                        help="do not also write a tiny Token2Wav (OUT/token2wav, OUT/voices/default.wav)")
     parser.add_argument("--decision-bias", type=float, default=0.0,
                         help="> 0: the model keeps listening until asked to answer (commit) and then "
                              "speaks until <tts_end>; 0 (default): purely random decisions")
@@ -278,6 +280,14 @@ def run(args: argparse.Namespace) -> int:
     spec = TinySpec(decision_bias=args.decision_bias)
     path = write_tiny_checkpoint(args.out, seed=args.seed, spec=spec, dtype=parse_dtype(args.dtype))
     print(f"wrote tiny Lychee-FD checkpoint to {path}")
+    lychee = {"model_root": str(path), "device": "cpu", "dtype": "fp32", "torch_threads": 1}
+    if not args.no_vocoder:
+        from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
+
+        lychee["token2wav"] = write_tiny_vocoder(path, seed=args.seed)
+        print(f"wrote tiny Token2Wav to {lychee['token2wav']['folder']}")
+    print("profile section (engine.lychee) to serve it on CPU:")
+    print(json.dumps(lychee, indent=2))
     return 0
 
 
