@@ -70,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", help="profile YAML")
     check.set_defaults(func=_check_config)
 
+    tiny = sub.add_parser("tiny-checkpoint",
+                          help="write a tiny random Lychee-FD checkpoint (with a tiny token2wav/) for CPU runs",
+                          description="Write a tiny random checkpoint in the released layout: config.json, sharded "
+                                      "safetensors with index, tokenizer files, a token2wav/ folder and a default "
+                                      "voice, so the lychee engine runs end to end on a CPU.")
+    from lychee_rtc.engine.lychee.tiny import add_arguments as add_tiny_arguments, run as run_tiny
+
+    add_tiny_arguments(tiny)
+    tiny.set_defaults(func=run_tiny)
+
     from lychee_rtc.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

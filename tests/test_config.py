@@ -63,5 +63,12 @@ def test_serve_refuses_to_start_on_an_invalid_config(tmp_path):
 
 def test_help_explains_every_command():
     out = subprocess.run([sys.executable, "-m", "lychee_rtc.cli", "--help"], capture_output=True, text=True).stdout
-    for command in ("serve", "config", "bench"):
+    for command in ("serve", "config", "bench", "tiny-checkpoint"):
         assert command in out
+
+
+def test_bench_help_lists_every_benchmark():
+    out = subprocess.run([sys.executable, "-m", "lychee_rtc.cli", "bench", "--help"],
+                         capture_output=True, text=True).stdout
+    for bench in ("latency", "load", "lychee-step", "vocoder"):
+        assert bench in out

@@ -12,7 +12,6 @@ import textwrap
 
 import aiohttp
 import numpy as np
-import pytest
 
 from conftest import running_server
 from lychee_rtc.bench.client import RATE, RtcClient

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from lychee_rtc.bench.client import FRAME, RATE, LinkImpairment, RtcClient
+from lychee_rtc.bench.client import RATE, LinkImpairment, RtcClient
 from lychee_rtc.bench.probes import arrival_time, capture_time, chirp, find_onsets, percentile
 from lychee_rtc.bench.server_process import cpu_seconds, spawned_server
 

@@ -9,7 +9,6 @@ import json
 import logging
 from typing import Any, Awaitable, Callable
 
-import jsonschema
 from aiohttp import web
 
 from lychee_rtc import __version__

@@ -26,7 +26,7 @@ a voice's primed prompt state) are never written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import numpy as np

@@ -286,9 +286,23 @@ def run(args: argparse.Namespace) -> int:
 
         lychee["token2wav"] = write_tiny_vocoder(path, seed=args.seed)
         print(f"wrote tiny Token2Wav to {lychee['token2wav']['folder']}")
-    print("profile section (engine.lychee) to serve it on CPU:")
-    print(json.dumps(lychee, indent=2))
+    profile = write_cpu_profile(path, lychee)
+    print(f"wrote a CPU serving profile: lychee-rtc serve --config {profile}")
     return 0
+
+
+def write_cpu_profile(folder: Path, lychee: dict) -> Path:
+    """A profile next to the checkpoint that serves it on CPU (one session, model-decided turns)."""
+    import yaml
+
+    profile = {
+        "session": {"max_sessions": 1, "vad_barge_in": False},
+        "engine": {"name": "lychee", "lychee": lychee},
+    }
+    target = Path(folder) / "lychee-cpu.yaml"
+    target.write_text("# Serves this tiny checkpoint on CPU: lychee-rtc serve --config " + str(target) + "\n"
+                      + yaml.safe_dump(profile, sort_keys=False))
+    return target
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torchaudio
 import torchaudio.compliance.kaldi as kaldi
 import torchaudio.functional as AF
 
