@@ -142,8 +142,10 @@ class LinkImpairment:
 
 
 class RtcClient:
-    def __init__(self, base_url: str, *, channel_label: str = "events", codec: str | None = None) -> None:
+    def __init__(self, base_url: str, *, channel_label: str = "events", codec: str | None = None,
+                 jitter_buffer: str = "aiortc") -> None:
         self.base_url = base_url.rstrip("/")
+        self.jitter_buffer = jitter_buffer  # "aiortc" (a stock aiortc caller) or "lowlatency" (ours)
         self.channel_label = channel_label
         self.codec = codec
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -170,6 +172,11 @@ class RtcClient:
 
         @self.pc.on("track")
         def on_track(track) -> None:
+            if self.jitter_buffer != "aiortc":
+                from lychee_rtc.config import RtcSettings
+                from lychee_rtc.media.jitter import install_jitter_buffer
+
+                install_jitter_buffer(self.pc, track, RtcSettings(jitter_buffer=self.jitter_buffer))
             self._tasks.append(asyncio.create_task(self._record(track)))
 
         await self.pc.setLocalDescription(await self.pc.createOffer())

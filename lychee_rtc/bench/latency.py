@@ -2,9 +2,9 @@
 
 An aiortc client (the same peer the tests use, with aiortc's own receive path on the downlink, as a
 caller built on aiortc would have) sends chirps through a server running the loopback engine and
-finds them in what comes back. Mouth = when the chirp's first sample would have been captured by a
-microphone delivering 20 ms frames; ear = when the frame carrying it came out of the client's
-receiver. With ``--loss`` the run has three phases: clean, a stretch with emulated uplink loss
+finds them in what comes back. Mouth = when the frame carrying the chirp's first sample was handed
+to the client's WebRTC sender (plus the sample's place in the frame); ear = when the frame carrying
+it came out of the client's receiving track (plus its place in the frame). With ``--loss`` the run has three phases: clean, a stretch with emulated uplink loss
 (and optional jitter), and the time after it, so a buffer that keeps the delay a loss added shows.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from lychee_rtc.bench.client import RATE, LinkImpairment, RtcClient
-from lychee_rtc.bench.probes import arrival_time, capture_time, chirp, find_onsets, percentile
+from lychee_rtc.bench.probes import SIGNATURES, arrival_time, find_onsets, percentile, probe_for, send_time
 from lychee_rtc.bench.server_process import cpu_seconds, spawned_server
 
-MAX_LATENCY_S = 1.5  # a chirp heard later than this is counted as lost
+MAX_LATENCY_S = 1.5  # a chirp heard later than this (or than its signature's next use) is counted as lost
 
 
 @dataclass
@@ -58,37 +58,42 @@ def _stats(name: str, latencies: list[float | None]) -> PhaseStats:
                       percentile(found, 99), [round(x, 2) for x in found])
 
 
-def analyse(client: RtcClient, probe: np.ndarray, starts: list[int]) -> list[float | None]:
-    """Latency (ms) of each probe that started at uplink sample ``starts[k]``."""
+def analyse(client: RtcClient, starts: list[int], interval_s: float) -> list[float | None]:
+    """Latency (ms) of probe k, which started at uplink sample ``starts[k]`` (None if never heard)."""
     chunks = sorted((off, len(pcm), arrival) for off, pcm, arrival in client.received.chunks)
     signal = client.received.signal()
-    heard = []
-    for onset in find_onsets(signal, probe):
-        t = arrival_time(onset, chunks)
-        if t is not None:
-            heard.append(t)
-    heard.sort()
+    heard: dict[int, list[float]] = {}
+    for sig in range(len(SIGNATURES)):
+        times = [arrival_time(onset, chunks) for onset in find_onsets(signal, probe_for(sig))]
+        heard[sig] = sorted(t for t in times if t is not None)
+    limit = min(MAX_LATENCY_S, 0.95 * len(SIGNATURES) * interval_s)
     out: list[float | None] = []
-    for start in starts:
-        mouth = capture_time(start, client.mic.send_times)
+    for k, start in enumerate(starts):
+        mouth = send_time(start, client.mic.send_times)
         match = None
         if mouth is not None:
-            match = next((t for t in heard if mouth <= t <= mouth + MAX_LATENCY_S), None)
+            match = next((t for t in heard[k % len(SIGNATURES)] if mouth <= t <= mouth + limit), None)
         out.append(None if match is None else 1000.0 * (match - mouth))
     return out
 
 
+def probe_schedule(count: int, spacing: int, lead: int) -> tuple[np.ndarray, list[int]]:
+    """Audio with probe k at ``lead + k * spacing``, and those offsets."""
+    offsets = [lead + k * spacing for k in range(count)]
+    audio = np.zeros(lead + count * spacing, np.float32)
+    for k, off in enumerate(offsets):
+        probe = probe_for(k)
+        audio[off:off + len(probe)] = probe
+    return audio, offsets
+
+
 async def run_probes(client: RtcClient, *, clean: int, lossy_s: float, settle_s: float, after: int,
                      interval_s: float, impairment: LinkImpairment | None) -> dict[str, list[float | None]]:
-    probe = chirp()
     spacing = int(interval_s * RATE)
     lossy = int(lossy_s / interval_s) if impairment else 0
     settle = int(settle_s / interval_s) if impairment else 0
     total = clean + lossy + settle + (after if impairment else 0)
-    schedule = np.zeros(RATE + total * spacing, np.float32)  # one second of silence first
-    offsets = [RATE + k * spacing for k in range(total)]
-    for off in offsets:
-        schedule[off:off + len(probe)] = probe
+    schedule, offsets = probe_schedule(total, spacing, lead=RATE)  # one second of silence first
     base = round(client.mic.feed(schedule) * RATE)
     starts = [base + off for off in offsets]
     # Wait for the mic to reach each phase boundary, then switch the impairment.
@@ -104,8 +109,8 @@ async def run_probes(client: RtcClient, *, clean: int, lossy_s: float, settle_s:
         impairment.loss, impairment.jitter_ms = saved
         await at_probe(clean + lossy)
         impairment.loss = impairment.jitter_ms = 0.0
-    await asyncio.sleep(max(0.0, t0 + (starts[-1] + len(probe)) / RATE - time.monotonic()) + MAX_LATENCY_S)
-    latencies = analyse(client, probe, starts)
+    await asyncio.sleep(max(0.0, t0 + starts[-1] / RATE - time.monotonic()) + MAX_LATENCY_S)
+    latencies = analyse(client, starts, interval_s)
     phases = {"clean": latencies[:clean]}
     if impairment:
         phases["lossy"] = latencies[clean:clean + lossy]
@@ -115,8 +120,8 @@ async def run_probes(client: RtcClient, *, clean: int, lossy_s: float, settle_s:
 
 async def measure(url: str, *, probes: int, interval_s: float, loss: float, jitter_ms: float,
                   lossy_s: float, settle_s: float, codec: str | None, seed: int,
-                  server_pid: int | None = None) -> LatencyReport:
-    client = RtcClient(url, codec=codec)
+                  client_jitter_buffer: str = "aiortc", server_pid: int | None = None) -> LatencyReport:
+    client = RtcClient(url, codec=codec, jitter_buffer=client_jitter_buffer)
     await client.connect()
     impairment = None
     if loss or jitter_ms:
@@ -156,7 +161,8 @@ def format_report(report: LatencyReport) -> str:
 
 async def _main(args: argparse.Namespace) -> int:
     kwargs = dict(probes=args.probes, interval_s=args.interval, loss=args.loss, jitter_ms=args.jitter_ms,
-                  lossy_s=args.loss_seconds, settle_s=args.settle_seconds, codec=args.codec, seed=args.seed)
+                  lossy_s=args.loss_seconds, settle_s=args.settle_seconds, codec=args.codec, seed=args.seed,
+                  client_jitter_buffer=args.client_jitter_buffer)
     if args.url:
         report = await measure(args.url, **kwargs)
     else:
@@ -177,6 +183,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="configs/loopback.yaml", help="profile for the spawned server")
     p.add_argument("--server-jitter-buffer", choices=["lowlatency", "aiortc"], default="lowlatency",
                    help="inbound jitter buffer of the spawned server (to compare with aiortc's)")
+    p.add_argument("--client-jitter-buffer", choices=["aiortc", "lowlatency"], default="aiortc",
+                   help="the measuring client's receive path: aiortc's stock buffer (default, what an aiortc "
+                        "caller has) or ours, to see the server's own share")
     p.add_argument("--probes", type=int, default=40, help="probes per phase (default 40)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between probes")
     p.add_argument("--loss", type=float, default=0.0, help="uplink packet loss during the lossy phase (0.02 = 2 %%)")

@@ -19,11 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import aiohttp
-import numpy as np
 
 from lychee_rtc.bench.client import RATE, RtcClient
-from lychee_rtc.bench.latency import analyse
-from lychee_rtc.bench.probes import chirp, percentile
+from lychee_rtc.bench.latency import analyse, probe_schedule
+from lychee_rtc.bench.probes import percentile
 from lychee_rtc.bench.server_process import cpu_seconds, spawned_server
 
 COUNTERS = ("window_underruns", "window_late_samples", "window_gap_samples", "engine_windows_dropped",
@@ -61,17 +60,12 @@ async def run_step(url: str, n: int, duration_s: float, interval_s: float, budge
     clients = [RtcClient(url) for _ in range(n)]
     try:
         await asyncio.gather(*(c.connect() for c in clients))
-        probe = chirp()
         spacing = int(interval_s * RATE)
         count = max(1, int(duration_s / interval_s))
         starts: list[list[int]] = []
         for i, c in enumerate(clients):
             # Stagger the sessions' probes so they do not all hit the same instant.
-            lead = RATE + int(i * spacing / n)
-            schedule = np.zeros(lead + count * spacing, np.float32)
-            offsets = [lead + k * spacing for k in range(count)]
-            for off in offsets:
-                schedule[off:off + len(probe)] = probe
+            schedule, offsets = probe_schedule(count, spacing, lead=RATE + int(i * spacing / n))
             base = round(c.mic.feed(schedule) * RATE)
             starts.append([base + off for off in offsets])
         cpu0, wall0 = (cpu_seconds(server_pid), time.monotonic()) if server_pid else (None, None)
@@ -80,7 +74,7 @@ async def run_step(url: str, n: int, duration_s: float, interval_s: float, budge
         if server_pid is not None:
             cpu = 100.0 * (cpu_seconds(server_pid) - cpu0) / (time.monotonic() - wall0)
         counters = await _session_counters(url, [c.session_id for c in clients])
-        latencies = [x for c, s in zip(clients, starts) for x in analyse(c, probe, s)]
+        latencies = [x for c, s in zip(clients, starts) for x in analyse(c, s, interval_s)]
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
     found = [x for x in latencies if x is not None]

@@ -21,6 +21,15 @@ def chirp(duration_s: float = 0.02, f0: float = 400.0, f1: float = 3200.0, ampli
     return (amplitude * np.hanning(len(t)) * np.sin(phase)).astype(np.float32)
 
 
+# Consecutive probes use different chirps, so a late or lost probe is never mistaken for the next one.
+SIGNATURES = ((400.0, 3200.0), (3200.0, 400.0), (900.0, 2200.0), (2200.0, 900.0))
+
+
+def probe_for(index: int) -> np.ndarray:
+    f0, f1 = SIGNATURES[index % len(SIGNATURES)]
+    return chirp(f0=f0, f1=f1)
+
+
 def matched_filter(signal: np.ndarray, probe: np.ndarray) -> np.ndarray:
     """Normalised cross-correlation of ``probe`` at every offset of ``signal`` (FFT based)."""
     n = len(signal) + len(probe) - 1
@@ -59,10 +68,15 @@ class ProbeResult:
         return None if self.heard_at is None else 1000.0 * (self.heard_at - self.sent_at)
 
 
-def capture_time(sample: int, frame_send_times: dict[int, float]) -> float | None:
-    """When a microphone would have captured ``sample``: its frame left at the end of capture."""
+def send_time(sample: int, frame_send_times: dict[int, float]) -> float | None:
+    """When ``sample`` of the uplink entered the WebRTC sender: its frame's hand-over plus its place in it.
+
+    The same convention as ``arrival_time`` on the other end, so the difference is the path's delay.
+    A physical microphone and loudspeaker would add their own buffering (e.g. half a 20 ms capture
+    buffer on average) to any system measured this way.
+    """
     sent = frame_send_times.get(sample // FRAME)
-    return None if sent is None else sent - (FRAME - sample % FRAME) / RATE
+    return None if sent is None else sent + (sample % FRAME) / RATE
 
 
 def arrival_time(sample: int, chunks: list[tuple[int, int, float]]) -> float | None:
