@@ -71,3 +71,36 @@ def test_gap_can_be_filled_with_concealment():
     out += clock.write(ramp(1640, W - 1640), now=0.02)
     np.testing.assert_array_equal(out[0].samples[1000:1640], fill)
     assert clock.counters.gap_samples == 640
+
+
+def feed(clock, start_sample, n_windows, t_first, delay, poll=True):
+    """Write 20 ms frames as a real uplink delivers them: frame j at its end time plus ``delay``."""
+    out = []
+    frame = 320
+    for j in range(n_windows * W // frame):
+        pos = start_sample + j * frame
+        now = t_first + (pos + frame) / RATE + delay
+        if poll:
+            out += clock.poll(now - 0.001)
+        out += clock.write(ramp(pos, frame), now=now)
+    return out
+
+
+def test_anchor_follows_an_uplink_that_falls_behind_and_catches_up():
+    # The uplink's path gets 300 ms longer for good: one window is lost to it, not every window.
+    clock = WindowClock(W, RATE, grace_s=0.12)
+    out = feed(clock, 0, 5, 0.0, 0.0)
+    out += feed(clock, 5 * W, 25, 0.0, 0.3)
+    late_windows = [w.seq for w in out if w.silence_filled]
+    assert len(late_windows) == 1
+    # After that, every window is the uplink's own audio.
+    tail = [w for w in out if w.seq > late_windows[0]]
+    assert all(w.silence_filled == 0 for w in tail) and len(tail) >= 20
+    assert clock.counters.anchor_shift_s > 0.25
+
+    # The path gets short again: windows now complete long before their deadlines, and the anchor
+    # moves back so a stall would be noticed within the grace period.
+    feed(clock, 30 * W, 30, 0.0, 0.0)
+    assert clock.counters.anchor_shift_s < 0.15
+    assert clock.counters.underruns == 1
+    assert clock.poll(61 * 0.4 + 0.3) != []  # a stall: the open window closes within about the grace

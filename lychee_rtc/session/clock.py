@@ -6,6 +6,11 @@ uplink lost, known from RTP timestamps). A window that is not full by its deadli
 ``t0 + (k + 1) * window + grace``, is completed with silence and counted as an underrun; samples
 that arrive afterwards for that closed window are dropped and counted as late. The model is thus
 clocked by wall time and never stalled by the network, while everything is counted in samples.
+
+The anchor ``t0`` follows the uplink: when samples turn up late (a longer network path, a sender
+clock slower than ours), the deadlines move later until those samples would have had the full grace,
+so one late stretch costs its own samples and nothing after it; when windows keep completing far ahead of their deadlines, the
+anchor moves earlier again, so a stall is detected within the grace period.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class ClockCounters:
     silence_samples: int = 0  # samples filled at deadlines
     gap_samples: int = 0  # samples the uplink reported lost (filled with silence in place)
     late_samples: int = 0  # samples that arrived after their window had closed
+    anchor_shift_s: float = 0.0  # net movement of the deadlines to follow the uplink
 
 
 class WindowClock:
@@ -44,6 +50,11 @@ class WindowClock:
         self._buf = np.zeros(window_samples, dtype=np.float32)
         self._filled = 0  # samples of the open window written so far (from the front)
         self._received = 0  # uplink stream position of the next sample to arrive
+        self._now = 0.0
+        # Early-completion tracking: the smallest deadline slack over the last few seconds.
+        self._slack_windows = max(4, int(round(2.0 / self.window_s)))
+        self._min_slack: float | None = None
+        self._slack_count = 0
 
     @property
     def started(self) -> bool:
@@ -67,6 +78,7 @@ class WindowClock:
         """Append uplink samples; returns the windows this completes."""
         self.start(now)
         out = self.poll(now)
+        self._now = now
         samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         start = self._received
         self._received += len(samples)
@@ -74,6 +86,10 @@ class WindowClock:
         if start < cursor:  # the head belongs to windows already closed by their deadline
             late = min(cursor - start, len(samples))
             self.counters.late_samples += late
+            # Move the deadlines so that the last of these samples would have arrived with the full
+            # grace to spare: the windows after it then wait for their audio again.
+            last_window = (start + late - 1) // self.window_samples
+            self._shift(max(0.0, now + self.grace_s - self.deadline(last_window)))
             samples = samples[late:]
             start += late
         return out + self._fill(samples)
@@ -84,6 +100,7 @@ class WindowClock:
             return []
         self.start(now)
         out = self.poll(now)
+        self._now = now
         start = self._received
         self._received += n
         cursor = self._seq * self.window_samples + self._filled
@@ -124,7 +141,24 @@ class WindowClock:
                 out.append(self._close(silence=0))
         return out
 
+    def _shift(self, seconds: float) -> None:
+        assert self._t0 is not None
+        self._t0 += seconds
+        self.counters.anchor_shift_s += seconds
+
+    def _track_slack(self) -> None:
+        """A window completed by samples: if windows keep beating their deadlines, pull them in."""
+        slack = self.deadline() - self._now
+        self._min_slack = slack if self._min_slack is None else min(self._min_slack, slack)
+        self._slack_count += 1
+        if self._slack_count >= self._slack_windows:
+            if self._min_slack > 2 * self.grace_s + 0.005:
+                self._shift(-(self._min_slack - self.grace_s))
+            self._min_slack, self._slack_count = None, 0
+
     def _close(self, silence: int) -> Window:
+        if silence == 0:
+            self._track_slack()
         window = Window(self._seq, self._buf.copy(), silence)
         self._seq += 1
         self._filled = 0
