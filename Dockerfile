@@ -1,19 +1,15 @@
-# GPU serving image: lychee-rtc with the lychee engine (Lychee-FD in PyTorch) on CUDA.
+# GPU serving image: lychee-rtc with the lychee engine (Lychee-FD in PyTorch, Token2Wav vocoder) on CUDA.
 #
 #   docker build -t lychee-rtc .
 #   docker run --gpus all --network host \
 #       -v /path/to/Lychee-FD/lychee_full_duplex:/models/lychee_full_duplex:ro \
-#       lychee-rtc
-#
-# With the Token2Wav vocoder (audio out instead of speech codes), also mount its folder and a
-# prompt voice and name them in the profile's engine.lychee.token2wav, e.g. via the environment:
-#
-#   docker run --gpus all --network host \
-#       -v /path/to/Lychee-FD/lychee_full_duplex:/models/lychee_full_duplex:ro \
 #       -v /path/to/Step-Audio-2-mini/token2wav:/models/token2wav:ro \
 #       -v /path/to/voices:/models/voices:ro \
-#       -e LYCHEE_RTC_ENGINE__LYCHEE__TOKEN2WAV='{folder: /models/token2wav, device: cuda, voices: {default_male: /models/voices/default_male.wav}, default_voice: default_male}' \
 #       lychee-rtc
+#
+# /models/voices must hold default_male.wav (any prompt WAV; the profile's engine.lychee.token2wav
+# lists the voices). To serve speech codes only, without the vocoder:
+#   -e LYCHEE_RTC_ENGINE__LYCHEE__TOKEN2WAV=null
 #
 # The model folder is the released checkpoint (config.json, model-0000i-of-0000N.safetensors +
 # model.safetensors.index.json, tokenizer files); it is mounted read-only, never baked in.

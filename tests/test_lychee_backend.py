@@ -59,13 +59,21 @@ def test_settings_errors_name_the_key(ckpt, over, key):
 
 
 @pytest.mark.parametrize("name,sessions", [("lychee-c1.yaml", 1), ("lychee-c2.yaml", 2), ("lychee-c4.yaml", 4)])
-def test_profiles_are_valid(ckpt, name, sessions):
+def test_profiles_are_valid(ckpt, name, sessions, tmp_path):
+    from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
+
     data = yaml.safe_load((ROOT / "configs" / name).read_text())
     assert data["engine"]["name"] == "lychee"
     assert data["session"]["max_sessions"] == sessions
     lychee = dict(data["engine"]["lychee"])
     assert lychee["device"].startswith("cuda") and lychee["dtype"] == "bf16"
-    lychee["model_root"] = str(ckpt)  # the profile names the mount point; validate the rest
+    # The profile names mount points; swap in tiny files and validate everything else as written.
+    lychee["model_root"] = str(ckpt)
+    assert lychee["token2wav"]["folder"] == "/models/token2wav"
+    tiny_vocoder = write_tiny_vocoder(tmp_path, seed=0)
+    lychee["token2wav"] = {**lychee["token2wav"], "folder": tiny_vocoder["folder"],
+                           "voices": {name: next(iter(tiny_vocoder["voices"].values()))
+                                      for name in lychee["token2wav"]["voices"]}}
     LycheeEngineSettings.from_mapping(lychee)
     from lychee_rtc.config import load_settings
 

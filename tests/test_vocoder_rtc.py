@@ -1,8 +1,8 @@
 """The whole ``lychee`` path on CPU with tiny checkpoints: WebRTC audio in -> Lychee-FD windows ->
 speech codes -> Token2Wav PCM -> WebRTC audio out.
 
-The engine factory does not attach a vocoder yet (wiring listed in docs/token2wav.md); this test
-attaches the Token2Wav pool the way the wiring will, by wrapping ``build_lychee_backend``.
+The server is started from the GPU profile (configs/lychee-c1.yaml) with its mount points swapped
+for a tiny checkpoint and a tiny token2wav/ folder, so the real settings, factory and loaders run.
 """
 
 from __future__ import annotations
@@ -11,14 +11,18 @@ import asyncio
 
 import numpy as np
 import pytest
+import yaml
+
+from pathlib import Path
 
 from conftest import running_server
 from lychee_rtc.bench.client import RATE, RtcClient
-from lychee_rtc.engine.lychee import backend as lychee_backend
 from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
 from lychee_rtc.session.protocol import validate_server_event
-from lychee_rtc.vocoder.settings import build_token2wav_pool
 from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +32,17 @@ def roots(tmp_path_factory):
     return str(lychee), write_tiny_vocoder(root, seed=3)
 
 
-async def test_lychee_with_token2wav_serves_audio(roots, monkeypatch):
+async def test_lychee_with_token2wav_serves_audio(roots, tmp_path):
     lychee_root, vocoder_section = roots
-    pool = build_token2wav_pool(vocoder_section)
-    original = lychee_backend.build_lychee_backend
-
-    def with_vocoder(options, max_sessions, **kw):
-        return original(options, max_sessions, vocoder_factory=pool)
-
-    monkeypatch.setattr(lychee_backend, "build_lychee_backend", with_vocoder)
-    lychee = {"model_root": lychee_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
-              "progress": False, "seed": 1}
-    async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
-                              engine={"lychee": lychee}) as (url, _app):
+    # The GPU profile itself, with its model and token2wav/ mount points swapped for the tiny ones.
+    profile = yaml.safe_load((ROOT / "configs" / "lychee-c1.yaml").read_text())
+    profile["server"]["host"] = "127.0.0.1"
+    profile["engine"]["lychee"].update({
+        "model_root": lychee_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
+        "progress": False, "seed": 1, "token2wav": vocoder_section})
+    config = tmp_path / "lychee-c1-tiny.yaml"
+    config.write_text(yaml.safe_dump(profile))
+    async with running_server(str(config)) as (url, _app):
         client = RtcClient(url)
         await client.connect()
         try:
