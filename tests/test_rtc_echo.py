@@ -156,6 +156,13 @@ async def test_user_barge_in_interrupts_then_the_new_utterance_is_answered(echo_
         answer = client.received.signal(second["sample_offset"])
         assert best_match(answer, through_16k(interjection)) > 0.7
         assert_server_events_valid(client)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+        # One barge-in, timed from the user's speech onset to the cut (VAD confirmation included).
+        assert "lychee_rtc_barge_in_seconds_count 1.0" in metrics
+        total = float(next(l.split()[1] for l in metrics.splitlines() if l.startswith("lychee_rtc_barge_in_seconds_sum")))
+        assert 0.0 < total < 5.0
     finally:
         await client.close()
 

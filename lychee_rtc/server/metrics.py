@@ -32,8 +32,11 @@ class ServerMetrics(SessionObserver):
         self.stale_chunks = Counter("lychee_rtc_stale_chunks_dropped_total",
                                     "Audio chunks of an old epoch dropped", registry=r)
         self.barge_in_seconds = Histogram("lychee_rtc_barge_in_seconds",
-                                          "Time to execute an interruption (epoch bump to events)",
-                                          buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2), registry=r)
+                                          "User speech onset (uplink time) to the playout cut, for barge-ins",
+                                          buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0), registry=r)
+        self.interrupt_seconds = Histogram("lychee_rtc_interrupt_handling_seconds",
+                                           "Time to execute an interruption (epoch bump, cut, events)",
+                                           buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2), registry=r)
         # Per-session counters are folded in when a session ends and sampled live by the collector.
         self.underrun_windows = Counter("lychee_rtc_window_underruns_total",
                                         "Windows completed with silence because the uplink was late", registry=r)
@@ -51,8 +54,10 @@ class ServerMetrics(SessionObserver):
         self.step_seconds.observe(timing.step_ms / 1000.0)
         self.queue_wait_seconds.observe(timing.queue_wait_ms / 1000.0)
 
-    def interruption(self, latency_s: float) -> None:
-        self.barge_in_seconds.observe(latency_s)
+    def interruption(self, handling_s: float, since_speech_s: float | None) -> None:
+        self.interrupt_seconds.observe(handling_s)
+        if since_speech_s is not None:
+            self.barge_in_seconds.observe(since_speech_s)
 
     def stale_chunk(self) -> None:
         self.stale_chunks.inc()

@@ -68,6 +68,12 @@ class WindowClock:
         if self._t0 is None:
             self._t0 = now
 
+    def time_of(self, sample: int) -> float | None:
+        """When uplink sample ``sample`` was due to arrive, on the same clock as the deadlines."""
+        if self._t0 is None:
+            return None
+        return self._t0 + sample / self.sample_rate
+
     def deadline(self, seq: int | None = None) -> float | None:
         if self._t0 is None:
             return None

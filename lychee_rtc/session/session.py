@@ -65,7 +65,7 @@ class SessionObserver:
     """Hooks for metrics; the server installs one, tests may ignore it."""
 
     def window_timing(self, timing: WindowTiming) -> None: ...
-    def interruption(self, latency_s: float) -> None: ...
+    def interruption(self, handling_s: float, since_speech_s: float | None) -> None: ...
     def stale_chunk(self) -> None: ...
     def first_audio(self, seconds: float) -> None: ...
 
@@ -324,8 +324,12 @@ class DuplexSession:
 
     # --- interruption ------------------------------------------------------------------------------
 
-    def interrupt(self, reason: str) -> None:
-        """The epoch contract: bump, cut playout, cancel the engine, then tell the client."""
+    def interrupt(self, reason: str, speech_sample: int | None = None) -> None:
+        """The epoch contract: bump, cut playout, cancel the engine, then tell the client.
+
+        ``speech_sample``: for a barge-in, the uplink sample where the user's speech began, so the
+        time from speech onset to the cut can be measured.
+        """
         started = time.perf_counter()
         old_epoch = self.epoch
         self.epoch += 1
@@ -350,7 +354,9 @@ class DuplexSession:
                 discarded_ms=1000.0 * report.discarded_samples / rate,
             )
             self._finish_response(response_id, "cancelled", reason)
-        self.observer.interruption(time.perf_counter() - started)
+        onset = self.window_clock.time_of(speech_sample) if speech_sample is not None else None
+        self.observer.interruption(time.perf_counter() - started,
+                                   None if onset is None else max(0.0, self.clock() - onset))
         self._set_state("held" if self.held else "listening", reason)
 
     def _finish_response(self, response_id: str, status: str, reason: str) -> None:
@@ -462,7 +468,7 @@ class DuplexSession:
             self.emit("input_audio_buffer.speech_started", epoch=self.epoch,
                       audio_start_ms=1000.0 * ev.sample / self.capabilities.input_rate)
             if self.settings.vad_barge_in and self.active_response is not None:
-                self.interrupt("barge_in")
+                self.interrupt("barge_in", speech_sample=ev.sample)
         elif isinstance(ev, SpeechStopped):
             self.emit("input_audio_buffer.speech_stopped", epoch=self.epoch,
                       audio_end_ms=1000.0 * ev.sample / self.capabilities.input_rate)
