@@ -311,3 +311,23 @@ async def test_a_client_that_vanishes_frees_its_slot():
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_a_flooding_client_is_rate_limited_and_kept(echo_server):
+    url, _ = echo_server
+    client = RtcClient(url)
+    await client.connect()
+    try:
+        await client.wait_event("session.created")
+        for i in range(600):
+            client.send({"type": "ping", "client_time": float(i)})
+        err = await client.wait_event("error", timeout=20)
+        assert err["error"]["code"] == "rate_limited"
+        await asyncio.sleep(2.0)  # the bucket refills
+        client.send({"type": "ping", "client_time": -1.0})
+        pong = await client.wait_event("pong", timeout=10, client_time=-1.0)
+        assert pong["epoch"] == 0
+        assert len(client.events_of("error")) <= 3  # errors are themselves limited
+        assert 200 <= len(client.events_of("pong")) < 600
+    finally:
+        await client.close()

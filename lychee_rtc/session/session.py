@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 # Above this much unsent data on the channel, optional events (metrics) are dropped.
 CHANNEL_HIGH_WATER = 1 << 20
+# Client messages: a burst of this many, refilled at this rate; beyond it messages are dropped.
+MESSAGE_BURST = 200
+MESSAGES_PER_SECOND = 100.0
 RESPONSE_SCOPED = (ResponseStarted, TextDelta, CodecTokens, AudioChunk, ResponseDone, BargeIn, TurnState)
 
 
@@ -53,6 +56,7 @@ RESPONSE_SCOPED = (ResponseStarted, TextDelta, CodecTokens, AudioChunk, Response
 class SessionCounters:
     messages_in: int = 0
     bad_messages: int = 0
+    rate_limited_messages: int = 0
     events_out: int = 0
     events_dropped: int = 0
     stale_engine_events: int = 0
@@ -112,6 +116,9 @@ class DuplexSession:
         self._tasks: list[asyncio.Task] = []
         self._clock_wake = asyncio.Event()
         self._first_audio_ms: float | None = None  # reported with the next metrics event
+        self._message_tokens = float(MESSAGE_BURST)
+        self._message_refill_at = clock()
+        self._rate_error_at = -1.0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -262,11 +269,29 @@ class DuplexSession:
 
     def handle_message(self, raw: str | bytes) -> None:
         self.counters.messages_in += 1
+        if not self._take_message_token():
+            return
         try:
             event = parse_client_event(raw)
             self._dispatch(event)
         except ProtocolError as err:
             self._error(err)
+
+    def _take_message_token(self) -> bool:
+        """Token bucket over client messages, so a flooding client cannot monopolise the loop."""
+        now = self.clock()
+        self._message_tokens = min(float(MESSAGE_BURST),
+                                   self._message_tokens + (now - self._message_refill_at) * MESSAGES_PER_SECOND)
+        self._message_refill_at = now
+        if self._message_tokens >= 1.0:
+            self._message_tokens -= 1.0
+            return True
+        self.counters.rate_limited_messages += 1
+        if now - self._rate_error_at >= 1.0:  # one error a second, not one per dropped message
+            self._rate_error_at = now
+            self._error(ProtocolError("rate_limited", f"more than {MESSAGES_PER_SECOND:.0f} messages per second; "
+                                      "messages are being dropped"))
+        return False
 
     def _dispatch(self, ev: ClientEvent) -> None:
         p = ev.payload
