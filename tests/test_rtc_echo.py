@@ -81,8 +81,12 @@ async def test_echo_answers_a_spoken_utterance(echo_server, utterance):
         assert_subsequence(types, [
             "session.created", "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
             "response.created", "turn.state", "output_audio_buffer.started", "output_audio_buffer.stopped",
-            "response.done",
+            "response.done", "turn.state",
         ])
+        # The agent is "speaking" for as long as its audio plays, and "listening" only afterwards.
+        states = [(client.events.index(e), e["state"]) for e in client.events_of("turn.state")]
+        assert [s for _, s in states] == ["speaking", "listening"]
+        assert states[1][0] > client.events.index(done)
         assert_server_events_valid(client)
         started = client.events_of("output_audio_buffer.started")[0]
         stopped = client.events_of("output_audio_buffer.stopped")[0]

@@ -116,6 +116,7 @@ class DuplexSession:
         self._tasks: list[asyncio.Task] = []
         self._clock_wake = asyncio.Event()
         self._first_audio_ms: float | None = None  # reported with the next metrics event
+        self._deferred_listen: tuple[str, dict[str, float] | None] | None = None
         self._message_tokens = float(MESSAGE_BURST)
         self._message_refill_at = clock()
         self._rate_error_at = -1.0
@@ -382,6 +383,7 @@ class DuplexSession:
         onset = self.window_clock.time_of(speech_sample) if speech_sample is not None else None
         self.observer.interruption(time.perf_counter() - started,
                                    None if onset is None else max(0.0, self.clock() - onset))
+        self._deferred_listen = None
         self._set_state("held" if self.held else "listening", reason)
 
     def _finish_response(self, response_id: str, status: str, reason: str) -> None:
@@ -432,6 +434,10 @@ class DuplexSession:
                       sample_offset=sample_offset, sample_rate=rate, audio_ms=1000.0 * sample_offset / rate,
                       played_ms=record.played_ms)
         self._finish_response(response_id, record.final_status, record.reason)
+        if self._deferred_listen is not None and self.active_response is None:
+            reason, probabilities = self._deferred_listen
+            self._deferred_listen = None
+            self._set_state("held" if self.held else "listening", reason, probabilities)
 
     # --- engine events -----------------------------------------------------------------------------
 
@@ -487,8 +493,15 @@ class DuplexSession:
             if ev.response_id == self.active_response:
                 self.interrupt(ev.reason)
         elif isinstance(ev, TurnState):
-            if not self.held:
-                self._set_state(ev.state, ev.reason, ev.probabilities)
+            if self.held:
+                return
+            if ev.state == "listening" and self.active_response is not None:
+                # The engine is done generating but its audio is still playing: the client hears the
+                # agent speak until the last sample, so "listening" waits for the playout to end.
+                self._deferred_listen = (ev.reason, ev.probabilities)
+                return
+            self._deferred_listen = None
+            self._set_state(ev.state, ev.reason, ev.probabilities)
         elif isinstance(ev, SpeechStarted):
             self.emit("input_audio_buffer.speech_started", epoch=self.epoch,
                       audio_start_ms=1000.0 * ev.sample / self.capabilities.input_rate)
