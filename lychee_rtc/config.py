@@ -42,9 +42,15 @@ class IceServer(_Section):
     @field_validator("urls")
     @classmethod
     def _scheme(cls, urls: list[str]) -> list[str]:
+        from aiortc.rtcicetransport import parse_stun_turn_uri
+
         for url in urls:
             if not url.startswith(("stun:", "stuns:", "turn:", "turns:")):
                 raise ValueError(f"ICE server url {url!r} must start with stun:, stuns:, turn: or turns:")
+            try:  # the same parser the ICE agent uses, so a bad URL fails here, not on every call
+                parse_stun_turn_uri(url)
+            except ValueError as exc:
+                raise ValueError(f"ICE server url {url!r} is malformed: {exc}") from None
         return urls
 
 

@@ -63,3 +63,25 @@ def test_burst_loss_and_sender_restart():
     assert jb.counters.lost == 5
     out = run([30000, 30001], clock, jb)  # a jump far beyond any loss: a new stream
     assert out == [[30000], [30001]] and jb.counters.resets == 1
+
+
+def test_a_stray_old_packet_does_not_reset_the_stream():
+    clock = FakeClock()
+    jb = LowLatencyJitterBuffer(0.04, clock)
+    run(range(300), clock, jb)
+    assert run([50], clock, jb) == [[]]  # a replayed or very late packet: dropped, no reset
+    assert jb.counters.resets == 0 and jb.counters.late == 1
+    assert run([300, 301], clock, jb) == [[300], [301]]
+    # A sender that really restarted further back keeps sending from there: accepted after a few.
+    out = run([40 + k for k in range(5)], clock, jb)
+    assert jb.counters.resets == 1 and sum(out, []) != []
+
+
+def test_the_timer_gives_up_on_a_missing_packet_without_new_arrivals():
+    clock = FakeClock()
+    jb = LowLatencyJitterBuffer(0.04, clock)
+    run([0, 2, 3], clock, jb)  # 1 is lost and then the talk spurt ends
+    assert jb.waiting
+    clock.t += 0.05
+    assert [f.timestamp // 960 for f in jb.release_due()] == [2, 3]
+    assert not jb.waiting and jb.counters.lost == 1

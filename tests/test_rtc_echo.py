@@ -220,6 +220,7 @@ BAD_MESSAGES = [
     (json.dumps({"type": "playback.ack", "response_id": "resp_x", "played_ms": 5}), "response_not_found"),
     (json.dumps({"type": "response.cancel"}), "response_cancel_not_active"),
     ("x" * 70000, "message_too_large"),
+    ("[" * 30000, "invalid_json"),  # nesting deep enough to blow the parser's recursion limit
 ]
 
 

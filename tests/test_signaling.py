@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -62,6 +63,9 @@ async def test_health_ready_and_metrics(echo_server):
         ('{"sdp": "v=0\\r\\no=- 1 1 IN IP4 0.0.0.0\\r\\ns=-\\r\\nt=0 0\\r\\n", "type": "offer"}', 400, "invalid_sdp"),
         ('{"sdp": "x", "type": "offer", "extra": 1}', 400, "invalid_request"),
         ('{"sdp": "x", "type": "offer", "session": {"temperature": "hot"}}', 400, "invalid_session"),
+        ('{"sdp": "x", "type": "offer", "session": {"voice": "alloy"}}', 400, "invalid_session"),
+        ('{"sdp": "v=0\\r\\no=- 1 1 IN IP4 0.0.0.0\\r\\ns=-\\r\\nt=0 0\\r\\nm=audio \u00b2 RTP 0\\r\\n", '
+         '"type": "offer"}', 400, "invalid_sdp"),
     ],
 )
 async def test_malformed_offers_get_precise_errors(echo_server, payload, status, code):
@@ -236,5 +240,25 @@ async def test_offer_with_audio_and_video_is_answered_and_video_is_drained(echo_
         call = app[MANAGER_KEY].calls[answer["session_id"]]
         kinds = sorted(t.get_name().rsplit("-", 1)[1] for t in call.tasks if t.get_name().startswith("inbound"))
         assert kinds == ["audio", "video"]
+    finally:
+        await pc.close()
+
+
+async def test_an_offer_split_across_packets_is_read_whole(echo_server):
+    url, _ = echo_server
+    pc, sdp = await make_offer()
+    body = json.dumps({"sdp": sdp, "type": "offer"}).encode()
+
+    async def slowly():
+        yield body[:200]
+        await asyncio.sleep(0.2)
+        yield body[200:]
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/rtc/offer", data=slowly(),
+                                 headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["type"] == "answer"
     finally:
         await pc.close()

@@ -48,6 +48,7 @@ def new_response_id() -> str:
 @dataclass
 class _Response:
     response_id: str
+    epoch: int  # every chunk of a response carries the epoch it started in
     chunks: deque[np.ndarray]
     seq: int = 0
 
@@ -114,6 +115,8 @@ class EchoBackend:
         if state is None:
             return []
         events = self.apply_controls(w.slot, w.controls)
+        if w.epoch > state.epoch:  # the session moved on without our seeing its CANCEL: catch up
+            events += self._control(state, Control(ControlKind.CANCEL, w.epoch))
         events += self._listen(state, w.window)
         events += self._speak(state, first=False)
         return events
@@ -126,9 +129,11 @@ class EchoBackend:
                 s.response = None
             s.epoch = max(s.epoch, c.epoch)
         elif c.kind is ControlKind.FORCE_LISTEN:
+            if s.response is not None:
+                events.append(ResponseDone(s.response.epoch, s.response.response_id, "cancelled", "turn.listen"))
+                s.response = None
             s.epoch = max(s.epoch, c.epoch)
             s.held = True
-            s.response = None
         elif c.kind is ControlKind.RELEASE_LISTEN:
             s.held = False
             if s.waiting_answer is not None:
@@ -193,7 +198,7 @@ class EchoBackend:
         resampler = PcmResampler(INPUT_RATE, OUTPUT_RATE)
         pcm = np.concatenate([resampler.process(audio), resampler.flush()])
         chunks = deque(pcm[i:i + OUTPUT_CHUNK] for i in range(0, len(pcm), OUTPUT_CHUNK))
-        s.response = _Response(new_response_id(), chunks)
+        s.response = _Response(new_response_id(), s.epoch, chunks)
         events: list[EngineEvent] = [
             ResponseStarted(s.epoch, s.response.response_id),
             TurnState(s.epoch, "speaking", "end_of_utterance"),
@@ -208,10 +213,10 @@ class EchoBackend:
         for _ in range(self.settings.prebuffer_chunks if first else 1):
             if not r.chunks:
                 break
-            events.append(AudioChunk(s.epoch, r.response_id, r.seq, r.chunks.popleft()))
+            events.append(AudioChunk(r.epoch, r.response_id, r.seq, r.chunks.popleft()))
             r.seq += 1
         if not r.chunks and not first:
-            events.append(ResponseDone(s.epoch, r.response_id, "completed", "end_of_audio"))
+            events.append(ResponseDone(r.epoch, r.response_id, "completed", "end_of_audio"))
             events.append(TurnState(s.epoch, "listening", "response_done"))
             s.response = None
         return events

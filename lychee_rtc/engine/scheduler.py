@@ -207,13 +207,23 @@ class Engine:
                 batch.append((slot, SlotWindow(slot.index, p.window, p.seq, p.epoch, tuple(controls)), p.pushed_at))
             elif controls:
                 controls_only.append((slot, controls))
-        for slot, controls in controls_only:
-            events = await self._run(self.backend.apply_controls, slot.index, controls)
-            slot._deliver(events)
-        if not batch:
-            return
-        started = time.monotonic()
-        results = await self._run(self.backend.step, [w for _, w, _ in batch])
+        try:
+            for slot, controls in controls_only:
+                events = await self._run(self.backend.apply_controls, slot.index, controls)
+                controls.clear()
+                slot._deliver(events)
+            if not batch:
+                return
+            started = time.monotonic()
+            results = await self._run(self.backend.step, [w for _, w, _ in batch])
+        except Exception:
+            # The windows are lost, but controls (a CANCEL above all) must still reach the backend,
+            # or its epoch would stay behind the session's for good.
+            for slot, controls in controls_only:
+                slot._controls[:0] = controls
+            for slot, window, _ in batch:
+                slot._controls[:0] = window.controls
+            raise
         step_ms = (time.monotonic() - started) * 1000.0
         self.steps += 1
         for (slot, window, pushed_at), events in zip(batch, results):

@@ -21,6 +21,10 @@ from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
 
+# A timestamp jump larger than this is a broken or restarted stream, not loss: the stream is
+# re-anchored instead of filling the jump (a backward step would otherwise read as a huge gap).
+MAX_GAP_S = 2.0
+
 
 @dataclass
 class InboundCounters:
@@ -29,11 +33,13 @@ class InboundCounters:
     gap_seconds: float = 0.0
     reordered_frames: int = 0  # older than what was already consumed: dropped
     bad_frames: int = 0
+    stream_breaks: int = 0  # timestamp jumps too large to be loss (source restart, codec switch)
 
 
 async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counters: InboundCounters) -> None:
     rate = session.capabilities.input_rate
     resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+    source: tuple | None = None  # (rate, layout, format) the resampler was set up for
     expected: float | None = None  # stream time (s) where the next frame should start
     aligned = False
     previous = np.zeros(0, dtype=np.float32)  # the last decoded audio, for concealment
@@ -45,12 +51,21 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
         if session.closed:
             return
         counters.frames += 1
+        shape = (frame.sample_rate, frame.layout.name, frame.format.name)
+        if shape != source:
+            if source is not None:  # the sender switched codec: a new stream of another shape
+                counters.stream_breaks += 1
+                resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+                expected = None
+            source = shape
         if frame.pts is not None and frame.time_base is not None and frame.sample_rate:
             start = float(frame.pts * frame.time_base)
             duration = frame.samples / frame.sample_rate
             if expected is not None:
                 delta = start - expected
-                if delta > duration / 2:
+                if abs(delta) > MAX_GAP_S:
+                    counters.stream_breaks += 1  # real time kept flowing: the window clock filled it
+                elif delta > duration / 2:
                     counters.gaps += 1
                     counters.gap_seconds += delta
                     n = round(delta * rate)

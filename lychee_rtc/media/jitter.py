@@ -15,14 +15,21 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import asyncio
+import logging
+
 from aiortc.jitterbuffer import JitterFrame
 from aiortc.rtp import RtpPacket
 from aiortc.utils import uint16_add
 
 from lychee_rtc.config import RtcSettings
 
+log = logging.getLogger(__name__)
+
 # A sequence jump this large is a new stream (sender restart), not loss.
 MAX_JUMP = 200
+# Packets this far behind are dropped as late; only this many in a row mean the sender restarted.
+RESTART_AFTER = 3
 # Never hold more than this many packets waiting for a missing one.
 MAX_HELD = 32
 
@@ -43,6 +50,7 @@ class LowLatencyJitterBuffer:
         self._clock = clock
         self._next: int | None = None  # next sequence number to release
         self._held: dict[int, tuple[RtpPacket, float]] = {}
+        self._behind = 0  # consecutive packets far behind the release point
 
     def add(self, packet: RtpPacket) -> list[JitterFrame]:
         """Returns the frames that can be decoded now, in order."""
@@ -52,19 +60,29 @@ class LowLatencyJitterBuffer:
         if self._next is None:
             self._next = seq
         distance = uint16_add(seq, -self._next)
-        if distance >= 0x8000:  # behind the release point: late or duplicate
-            if uint16_add(self._next, -seq) > MAX_JUMP:
-                self._reset(seq)
-            else:
+        if distance >= 0x8000:  # behind the release point: late, a duplicate, or a restarted sender
+            far = uint16_add(self._next, -seq) > MAX_JUMP
+            self._behind = self._behind + 1 if far else 0
+            if not far or self._behind < RESTART_AFTER:
                 self.counters.late += 1
                 return []
+            self._reset(seq)
         elif distance > MAX_JUMP:
             self._reset(seq)
+        self._behind = 0
         if seq in self._held:
             self.counters.late += 1
             return []
         self._held[seq] = (packet, now)
         return self._release(now)
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._held)
+
+    def release_due(self) -> list[JitterFrame]:
+        """Called by a timer: give up on a missing packet even if no new packet arrives."""
+        return self._release(self._clock()) if self._held else []
 
     def _reset(self, seq: int) -> None:
         self.counters.resets += 1
@@ -91,30 +109,56 @@ class LowLatencyJitterBuffer:
         return out
 
 
+# The receiver internals the adapter uses (aiortc 1.x). install_jitter_buffer checks them first and
+# keeps aiortc's own buffer, with a warning, if they are not there.
+_RECEIVER_FIELDS = ("_RTCRtpReceiver__jitter_buffer", "_RTCRtpReceiver__codecs",
+                    "_RTCRtpReceiver__timestamp_mapper", "_RTCRtpReceiver__decoder_queue",
+                    "_RTCRtpReceiver__decoder_thread")
+
+
 class _ReceiverAdapter:
     """Stands in for aiortc's buffer inside an RTCRtpReceiver.
 
     aiortc's receiver decodes at most the one frame ``add`` returns; after a loss we may release
     several, so frames go straight into the receiver's decoder queue (with the receiver's own
-    timestamp mapping) and ``add`` reports none.
+    timestamp mapping) and ``add`` reports none. A timer gives up on a missing packet when no
+    further packet arrives (a talk spurt ending just after a loss).
     """
 
     def __init__(self, receiver, buffer: LowLatencyJitterBuffer) -> None:
         self.buffer = buffer
         self._receiver = receiver
         self.capacity = MAX_HELD
+        self._timer: asyncio.TimerHandle | None = None
+        self._payload_type: int | None = None
 
     def add(self, packet: RtpPacket) -> tuple[bool, None]:
-        frames = self.buffer.add(packet)
-        if frames:
-            r = self._receiver
-            codec = r._RTCRtpReceiver__codecs[packet.payload_type]
-            mapper = r._RTCRtpReceiver__timestamp_mapper
-            if r._RTCRtpReceiver__decoder_thread:
-                for frame in frames:
-                    frame.timestamp = mapper.map(frame.timestamp)
-                    r._RTCRtpReceiver__decoder_queue.put((codec, frame))
+        self._payload_type = packet.payload_type
+        self._decode(self.buffer.add(packet))
+        self._arm_timer()
         return False, None
+
+    def _arm_timer(self) -> None:
+        if self.buffer.waiting and self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self.buffer.max_wait_s, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._decode(self.buffer.release_due())
+        self._arm_timer()
+
+    def _decode(self, frames: list[JitterFrame]) -> None:
+        r = self._receiver
+        if not frames or not r._RTCRtpReceiver__decoder_thread:
+            return
+        codec = r._RTCRtpReceiver__codecs.get(self._payload_type)
+        if codec is None:
+            return
+        mapper = r._RTCRtpReceiver__timestamp_mapper
+        for frame in frames:
+            frame.timestamp = mapper.map(frame.timestamp)
+            r._RTCRtpReceiver__decoder_queue.put((codec, frame))
 
 
 def install_jitter_buffer(pc, track, settings: RtcSettings) -> LowLatencyJitterBuffer | None:
@@ -124,6 +168,10 @@ def install_jitter_buffer(pc, track, settings: RtcSettings) -> LowLatencyJitterB
     for transceiver in pc.getTransceivers():
         receiver = transceiver.receiver
         if receiver is not None and receiver.track is track:
+            missing = [f for f in _RECEIVER_FIELDS if not hasattr(receiver, f)]
+            if missing:
+                log.warning("aiortc's receiver lacks %s; keeping its own jitter buffer", ", ".join(missing))
+                return None
             buffer = LowLatencyJitterBuffer(settings.jitter_target_ms / 1000.0)
             receiver._RTCRtpReceiver__jitter_buffer = _ReceiverAdapter(receiver, buffer)
             return buffer

@@ -31,7 +31,7 @@ def parse_media_sections(sdp: str) -> list[MediaSection]:
             if current is not None:
                 sections.append(MediaSection(**current))
             parts = line[2:].split()
-            if len(parts) < 3 or not parts[1].split("/")[0].isdigit():
+            if len(parts) < 3 or not re.fullmatch(r"[0-9]{1,5}", parts[1].split("/")[0]):
                 raise SdpError(f"malformed media line {line!r}")
             current = {"kind": parts[0], "port": int(parts[1].split("/")[0]), "payload_types": tuple(parts[3:]),
                        "rtpmap": {}, "direction": "sendrecv"}

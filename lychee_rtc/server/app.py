@@ -104,7 +104,10 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
 async def _read_text(request: web.Request, limit: int) -> str:
     if request.content_length is not None and request.content_length > limit:
         raise SdpError(f"body of {request.content_length} bytes exceeds {limit}")
-    body = await request.content.read(limit + 1)
+    try:
+        body = await request.read()  # the whole body, however it was split on the wire
+    except web.HTTPRequestEntityTooLarge:
+        raise SdpError(f"body exceeds {limit} bytes") from None
     if len(body) > limit:
         raise SdpError(f"body exceeds {limit} bytes")
     try:
@@ -165,13 +168,16 @@ async def offer(request: web.Request) -> web.Response:
             where = "/".join(str(p) for p in errors[0].path)
             return _error(400, "invalid_session", f"session{'/' + where if where else ''}: {errors[0].message}")
     options, metrics = _session_options(raw_session)
+    voices = request.app[ENGINE_KEY].capabilities.voices
+    if options.voice is not None and options.voice not in voices:
+        choice = f"one of {list(voices)}" if voices else "not selectable with this engine"
+        return _error(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
     try:
-        call = await manager.create(body["sdp"], options)
+        call = await manager.create(body["sdp"], options, metrics=metrics)
     except ServerFull as exc:
         return _full(exc)
     except SdpError as exc:
         return _sdp_error(exc)
-    call.session.metrics_enabled = metrics
     return web.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
                               "session_id": call.session.id})
 

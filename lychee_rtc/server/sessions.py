@@ -77,6 +77,7 @@ class SessionManager:
         self.metrics = metrics
         self.calls: dict[str, RtcCall] = {}
         self._reserved = 0
+        self.closing = False  # set at shutdown: no new sessions
 
     @property
     def capacity(self) -> int:
@@ -94,30 +95,39 @@ class SessionManager:
 
     # --- offer / answer ----------------------------------------------------------------------------
 
-    async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False) -> RtcCall:
+    async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
+                     metrics: bool = False) -> RtcCall:
         validate_offer(offer_sdp)
-        if self.free <= 0:
+        if self.closing or self.free <= 0:
             self.metrics.sessions_refused.inc()
             raise ServerFull(self.settings.session.retry_after_s)
         self._reserved += 1
         try:
-            return await self._create(offer_sdp, options or SessionOptions(), whip)
+            return await self._create(offer_sdp, options or SessionOptions(), whip, metrics)
         finally:
             self._reserved -= 1
 
-    async def _create(self, offer_sdp: str, options: SessionOptions, whip: bool) -> RtcCall:
+    async def _create(self, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
         try:
             slot = await self.engine.open(options)
         except CapacityError:
             self.metrics.sessions_refused.inc()
             raise ServerFull(self.settings.session.retry_after_s) from None
+        try:
+            return await self._connect(slot, offer_sdp, options, whip, metrics)
+        except BaseException:
+            # Whatever failed (bad SDP, aiortc, cancellation at shutdown), the slot goes back.
+            await slot.close()
+            raise
+
+    async def _connect(self, slot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
         caps = self.engine.capabilities
         pc = RTCPeerConnection(self.rtc_configuration())
         track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
                                 live=caps.live_passthrough)
         session_id = "sess_" + secrets.token_hex(8)
         session = DuplexSession(session_id, self.settings.session, slot, track, engine_name=caps.name,
-                                observer=self.metrics)
+                                observer=self.metrics, options=options, metrics_enabled=metrics)
         track.listener = session
         call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip)
         self._wire(call)
@@ -127,13 +137,18 @@ class SessionManager:
         transceiver.setCodecPreferences(self._codec_preferences())
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            for other in pc.getTransceivers():
+                if other is not transceiver:
+                    other.direction = "inactive"  # video or a second audio line: not received at all
             await pc.setLocalDescription(await pc.createAnswer())
         except OperationError:
             await self._abandon(call)
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True) from None
-        except Exception as exc:  # aiortc's parsers raise assorted errors on bad SDP
+        except BaseException as exc:  # aiortc's parsers raise assorted errors on bad SDP
             await self._abandon(call)
+            if not isinstance(exc, Exception):
+                raise
             raise SdpError(f"cannot use SDP offer: {exc}") from None
         codec = negotiated_audio_codec(pc.localDescription.sdp)
         if codec is None:
@@ -176,7 +191,7 @@ class SessionManager:
             if channel.label not in EVENT_CHANNEL_LABELS:
                 return
             channel.on("message", session.handle_message)
-            channel.on("close", session.detach_channel)
+            channel.on("close", lambda: session.detach_channel(channel.send))
             session.attach_channel(channel.send, lambda: channel.bufferedAmount)
 
         @pc.on("connectionstatechange")
@@ -278,10 +293,13 @@ class SessionManager:
         await call.pc.close()
 
     async def _abandon(self, call: RtcCall) -> None:
-        await call.session.slot.close()
         call.track.stop()
         await call.pc.close()
 
     async def close_all(self, reason: str) -> None:
-        for session_id in list(self.calls):
-            await self.close(session_id, reason)
+        self.closing = True
+        while self.calls or self._reserved:
+            for session_id in list(self.calls):
+                await self.close(session_id, reason)
+            if self._reserved:  # offers still being answered: let them finish, then close them too
+                await asyncio.sleep(0.05)

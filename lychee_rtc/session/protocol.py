@@ -75,6 +75,8 @@ def parse_client_event(raw: str | bytes) -> ClientEvent:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ProtocolError("invalid_json", f"message is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except (RecursionError, ValueError):
+        raise ProtocolError("invalid_json", "message is not valid JSON (nested too deeply or malformed)") from None
     if not isinstance(data, dict):
         raise ProtocolError("invalid_event", "an event must be a JSON object")
     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # Above this much unsent data on the channel, optional events (metrics) are dropped.
 CHANNEL_HIGH_WATER = 1 << 20
+# Above this, the peer is not reading the channel at all: every event is dropped (and counted).
+CHANNEL_HARD_LIMIT = 8 << 20
 # Client messages: a burst of this many, refilled at this rate; beyond it messages are dropped.
 MESSAGE_BURST = 200
 MESSAGES_PER_SECOND = 100.0
@@ -85,6 +87,8 @@ class DuplexSession:
         engine_name: str,
         clock: Callable[[], float] = time.monotonic,
         observer: SessionObserver | None = None,
+        options: SessionOptions | None = None,
+        metrics_enabled: bool = False,
     ) -> None:
         caps = slot.capabilities
         self.id = session_id
@@ -98,8 +102,8 @@ class DuplexSession:
         self.epoch = 0
         self.state = "listening"
         self.held = False
-        self.options = SessionOptions()
-        self.metrics_enabled = False
+        self.options = options or SessionOptions()
+        self.metrics_enabled = metrics_enabled
         self.created_at = clock()
         self.last_audio_at: float | None = None
         self.counters = SessionCounters()
@@ -143,11 +147,15 @@ class DuplexSession:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
-        await self.slot.close()
-        if self.on_close is not None:
-            result = self.on_close(reason)
-            if asyncio.iscoroutine(result):
-                await result
+        try:
+            await self.slot.close()
+        except Exception:  # the transport must still be torn down, or the call would linger
+            log.exception("session %s: engine slot failed to close", self.id)
+        finally:
+            if self.on_close is not None:
+                result = self.on_close(reason)
+                if asyncio.iscoroutine(result):
+                    await result
 
     def describe(self) -> dict[str, Any]:
         caps = self.capabilities
@@ -195,8 +203,10 @@ class DuplexSession:
         while self._outbox:
             self._transmit(self._outbox.popleft())
 
-    def detach_channel(self) -> None:
-        self._send = None
+    def detach_channel(self, send: Callable[[str], None] | None = None) -> None:
+        """Stop sending on the channel whose ``send`` this is (or on any channel if None)."""
+        if send is None or self._send == send:
+            self._send = None
 
     def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
         if self.closed:
@@ -248,7 +258,8 @@ class DuplexSession:
             while len(self._outbox) > self.settings.event_buffer:
                 self._outbox.popleft()
                 self.counters.events_dropped += 1
-        elif event_type == "metrics" and self._buffered() > CHANNEL_HIGH_WATER:
+        elif (event_type == "metrics" and self._buffered() > CHANNEL_HIGH_WATER) \
+                or self._buffered() > CHANNEL_HARD_LIMIT:
             self.counters.events_dropped += 1
         else:
             self._transmit(text)
@@ -277,6 +288,10 @@ class DuplexSession:
             self._dispatch(event)
         except ProtocolError as err:
             self._error(err)
+        except Exception:  # never let a message take the transport down with it
+            log.exception("session %s: failed to handle a client message", self.id)
+            self._error(ProtocolError("internal_error", "the server failed to handle this message",
+                                      error_type="server_error"))
 
     def _take_message_token(self) -> bool:
         """Token bucket over client messages, so a flooding client cannot monopolise the loop."""
@@ -308,11 +323,11 @@ class DuplexSession:
             self.slot.control(Control(ControlKind.COMMIT, self.epoch))
             self.emit("input_audio_buffer.committed", epoch=self.epoch)
         elif ev.type == "turn.listen":
-            if self.active_response is not None:
-                self.interrupt("turn.listen")
+            # Always a fence, even with no response yet: a step already running may be about to
+            # start one, and it must not be heard while the session is held.
             self.held = True
+            self.interrupt("turn.listen")
             self.slot.control(Control(ControlKind.FORCE_LISTEN, self.epoch))
-            self._set_state("held", "turn.listen")
         elif ev.type == "turn.release":
             self.held = False
             self.slot.control(Control(ControlKind.RELEASE_LISTEN, self.epoch))
@@ -330,7 +345,7 @@ class DuplexSession:
                 fields["client_time"] = p["client_time"]
             self.emit("pong", **fields)
         elif ev.type == "session.close":
-            asyncio.get_running_loop().create_task(self.close("client_closed"))
+            self._tasks.append(asyncio.get_running_loop().create_task(self.close("client_closed")))
         else:  # the schema and this dispatcher disagree: a server bug, said plainly
             raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id, "server_error")
 
