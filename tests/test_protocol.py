@@ -37,3 +37,22 @@ def test_bad_messages(raw, code):
 
 def test_schema_is_draft_2020_12():
     assert load_schema()["$schema"].endswith("2020-12/schema")
+
+
+def test_recorded_examples_match_the_schema():
+    from pathlib import Path
+
+    from lychee_rtc.session.protocol import validate_server_event
+
+    examples = Path(__file__).resolve().parents[1] / "signaling" / "examples"
+    client = [json.loads(line) for line in (examples / "client-events.jsonl").read_text().splitlines()]
+    server = [json.loads(line) for line in (examples / "server-events.jsonl").read_text().splitlines()]
+    assert {e["type"] for e in client} >= {"session.update", "response.cancel", "turn.listen", "playback.ack"}
+    for event in client:
+        assert parse_client_event(json.dumps(event)).type == event["type"]
+    for event in server:
+        validate_server_event(event)
+    cleared = next(i for i, e in enumerate(server) if e["type"] == "output_audio_buffer.cleared")
+    cancelled = next(i for i, e in enumerate(server)
+                     if e["type"] == "response.done" and e["response"]["status"] == "cancelled")
+    assert cleared < cancelled and server[cleared]["response_id"] == server[cancelled]["response_id"]
