@@ -29,8 +29,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(settings)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"lychee-rtc: cannot start engine {settings.engine.name!r}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a damaged model file and the like: say what, keep the trace for --log-level DEBUG
+        logging.getLogger("lychee_rtc").debug("engine start-up failed", exc_info=True)
+        print(f"lychee-rtc: cannot start engine {settings.engine.name!r}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
         return 2
     print(f"lychee-rtc {__version__}: engine {settings.engine.name!r} "
           f"on http://{settings.server.host}:{settings.server.port}", flush=True)

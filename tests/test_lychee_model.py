@@ -237,3 +237,17 @@ def test_tokenizer_prefix_and_incremental_utf8(ckpt):
     inc = IncrementalDetokenizer(tok)
     text = "".join(inc.push([i]) for i in byte_ids) + inc.flush()
     assert text == "héllo ✓"
+
+
+def test_truncated_shard_and_broken_index_are_named(ckpt, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=shard.name + ": not a readable safetensors file"):
+        load_model(broken, dtype="fp32", progress=False)
+    (broken / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a readable JSON index"):
+        load_model(broken, dtype="fp32", progress=False)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from .config import LycheeConfig, load_config
@@ -55,15 +55,21 @@ def _shard_map(root: Path) -> dict[str, str]:
     """Tensor name -> shard file name, from the index (or the single-file checkpoint)."""
     index = root / INDEX_FILE
     if index.is_file():
-        data = json.loads(index.read_text())
+        try:
+            data = json.loads(index.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{index}: not a readable JSON index ({exc})") from None
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: 'weight_map' is missing or empty")
         return {str(k): str(v) for k, v in weight_map.items()}
     single = root / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {k: SINGLE_FILE for k in f.keys()}
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {k: SINGLE_FILE for k in f.keys()}
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"{single}: not a readable safetensors file ({exc})") from None
     raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
 
@@ -91,12 +97,15 @@ def check_inventory(root: Path, expected: dict[str, tuple[int, ...]]) -> Invento
         path = root / shard
         if not path.is_file():
             raise CheckpointError(f"{root}: shard {shard} named in {INDEX_FILE} does not exist")
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name in found:
-                    duplicates.append(name)
-                    continue
-                found[name] = (shard, tuple(f.get_slice(name).get_shape()))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name in found:
+                        duplicates.append(name)
+                        continue
+                    found[name] = (shard, tuple(f.get_slice(name).get_shape()))
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
     if duplicates:
         raise CheckpointError(f"tensors stored more than once: {_list(duplicates)}")
     not_indexed = [n for n, (shard, _) in found.items() if weight_map.get(n) not in (None, shard)]
