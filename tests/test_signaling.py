@@ -14,6 +14,7 @@ from openapi_spec_validator import validate as validate_openapi
 from contract import SPEC_PATH, check_response
 from conftest import running_server
 from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
+from lychee_rtc.server.app import ENGINE_KEY
 
 
 async def make_offer(direction: str = "sendrecv", kind: str = "audio") -> tuple[RTCPeerConnection, str]:
@@ -262,3 +263,20 @@ async def test_an_offer_split_across_packets_is_read_whole(echo_server):
                 assert (await resp.json())["type"] == "answer"
     finally:
         await pc.close()
+
+
+async def test_failed_offers_give_their_slot_back():
+    async with running_server(session={"max_sessions": 1}) as (url, app):
+        for _ in range(3):  # G.722 only: valid SDP, but no codec in common -> refused after a slot was taken
+            client = RtcClient(url, codec="G722")
+            try:
+                with pytest.raises(RuntimeError, match="422"):
+                    await client.connect()
+            finally:
+                await client.close()
+        assert app[ENGINE_KEY].free_slots == 1
+        status, _, body = await request("GET", url, "/readyz")
+        assert status == 200, body
+        good = RtcClient(url)
+        await good.connect()
+        await good.close()
