@@ -24,10 +24,13 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 
 # Dependencies first (cached layer): the package metadata only, with a stub package to satisfy
-# setuptools; torch/torchaudio come from the base image.
+# setuptools. torch and torchaudio come from the base image and are pinned to it, so no dependency
+# can pull in another torch built for another CUDA.
 COPY pyproject.toml README.md ./
-RUN mkdir -p lychee_rtc && touch lychee_rtc/__init__.py \
-    && pip install ".[model]" \
+RUN python -c "import torch, torchaudio; print(f'torch=={torch.__version__}'); print(f'torchaudio=={torchaudio.__version__}')" \
+        > /tmp/base-constraints.txt \
+    && mkdir -p lychee_rtc && touch lychee_rtc/__init__.py \
+    && pip install --constraint /tmp/base-constraints.txt ".[model]" \
     && pip uninstall -y lychee-rtc \
     && rm -rf lychee_rtc
 
