@@ -14,6 +14,7 @@ from lychee_rtc.engine.base import (
     CodecTokens,
     Control,
     ControlKind,
+    EngineError,
     ResponseDone,
     ResponseStarted,
     SessionOptions,
@@ -188,3 +189,78 @@ def test_token2wav_section_builds_the_vocoder(ckpt, tmp_path):
     assert all(a.pcm.dtype == np.float32 and a.pcm.size for a in audio)
     assert [a.seq for a in audio] == sorted(a.seq for a in audio)
     be.close_slot(0)
+
+
+class FailingVocoder(FakeVocoder):
+    """The fake vocoder with faults injected: a voice that cannot be prepared, a stream that breaks."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.fail = fail
+
+    def update(self, opts):
+        if self.fail:
+            raise RuntimeError("prompt too long")
+
+    def push(self, response_id, codes, final):
+        if self.fail and codes:
+            raise RuntimeError("stream broke")
+        return super().push(response_id, codes, final)
+
+
+def _speak(be, slots_epochs, windows=4, seed=0):
+    rng = np.random.default_rng(seed)
+    events = {slot: [] for slot, _ in slots_epochs}
+    for k in range(windows):
+        batch = [SlotWindow(slot, (0.1 * rng.standard_normal(6400)).astype(np.float32), k, epoch,
+                            (Control(ControlKind.COMMIT, epoch),) if k == 0 else ())
+                 for slot, epoch in slots_epochs]
+        for (slot, _), out in zip(slots_epochs, be.step(batch)):
+            events[slot] += out
+    return events
+
+
+def test_a_failing_vocoder_fails_its_own_response_only(ckpt):
+    be = build_lychee_backend(options(ckpt), 2, vocoder_factory=lambda slot, opts: FailingVocoder(slot == 0))
+    be.open_slot(0, SessionOptions(seed=3))
+    be.open_slot(1, SessionOptions(seed=3))
+    # A voice change the vocoder cannot make is an error event; the CANCEL after it still applies.
+    events = be.apply_controls(0, [Control(ControlKind.UPDATE, 0, SessionOptions(voice="long")),
+                                   Control(ControlKind.CANCEL, 1)])
+    assert any(isinstance(e, EngineError) and e.code == "vocoder_control_failed" for e in events)
+    assert be.runner.slots[0].epoch == 1
+    events = _speak(be, [(0, 1), (1, 0)])
+    started = [e for e in events[0] if isinstance(e, ResponseStarted)]
+    assert started, "slot 0 never started to speak"
+    done = [e for e in events[0] if isinstance(e, ResponseDone)]
+    assert [d.status for d in done] == ["failed"] and done[0].epoch == 1
+    assert any(isinstance(e, EngineError) and e.code == "vocoder_failed" and e.epoch == 1 for e in events[0])
+    assert be.runner.slots[0].response_id is None
+    # The other session kept its audio.
+    assert any(isinstance(e, AudioChunk) for e in events[1])
+    assert not any(isinstance(e, EngineError) for e in events[1])
+
+
+def test_commit_while_speaking_does_not_restart_after_a_cancel(ckpt):
+    be = build_lychee_backend(options(ckpt), 1)
+    be.open_slot(0, SessionOptions(seed=3))
+    events = _speak(be, [(0, 0)], windows=2)
+    assert any(isinstance(e, ResponseStarted) for e in events[0])
+    be.apply_controls(0, [Control(ControlKind.COMMIT, 0)])  # while speaking: meaningless, ignored
+    assert be.runner.slots[0].commit is False
+    be.apply_controls(0, [Control(ControlKind.CANCEL, 1)])
+    rng = np.random.default_rng(1)
+    (out,) = be.step([SlotWindow(0, (0.1 * rng.standard_normal(6400)).astype(np.float32), 9, 1)])
+    assert not any(isinstance(e, ResponseStarted) for e in out)
+
+
+def test_a_window_for_a_closed_slot_is_skipped(ckpt):
+    be = build_lychee_backend(options(ckpt), 2)
+    be.open_slot(0, SessionOptions(seed=3))
+    be.open_slot(1, SessionOptions(seed=3))
+    be.close_slot(0)
+    rng = np.random.default_rng(2)
+    w = [SlotWindow(s, (0.1 * rng.standard_normal(6400)).astype(np.float32), 0, 0) for s in (0, 1)]
+    before = be.runner.slots[1].window
+    dead, _ = be.step(w)
+    assert dead == [] and be.runner.slots[1].window == before + 1  # the live slot was stepped

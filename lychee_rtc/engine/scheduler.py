@@ -180,6 +180,12 @@ class Engine:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def _work(self, controls: list[tuple[int, list[Control]]], windows: list[SlotWindow]):
+        """Runs on the worker thread: controls for idle slots, then one step for the due windows."""
+        control_events = [self.backend.apply_controls(index, c) for index, c in controls]
+        results = self.backend.step(windows) if windows else []
+        return control_events, results
+
     async def _loop(self) -> None:
         while True:
             await self._wake.wait()
@@ -207,15 +213,14 @@ class Engine:
                 batch.append((slot, SlotWindow(slot.index, p.window, p.seq, p.epoch, tuple(controls)), p.pushed_at))
             elif controls:
                 controls_only.append((slot, controls))
+        if not batch and not controls_only:
+            return
+        started = time.monotonic()
         try:
-            for slot, controls in controls_only:
-                events = await self._run(self.backend.apply_controls, slot.index, controls)
-                controls.clear()
-                slot._deliver(events)
-            if not batch:
-                return
-            started = time.monotonic()
-            results = await self._run(self.backend.step, [w for _, w, _ in batch])
+            # One worker job for the whole period, so no close_slot/open_slot can slip in between the
+            # batch being chosen and being stepped (a closed slot's window would reach its next owner).
+            control_events, results = await self._run(
+                self._work, [(s.index, c) for s, c in controls_only], [w for _, w, _ in batch])
         except Exception:
             # The windows are lost, but controls (a CANCEL above all) must still reach the backend,
             # or its epoch would stay behind the session's for good.
@@ -224,6 +229,10 @@ class Engine:
             for slot, window, _ in batch:
                 slot._controls[:0] = window.controls
             raise
+        for (slot, _), events in zip(controls_only, control_events):
+            slot._deliver(events)
+        if not batch:
+            return
         step_ms = (time.monotonic() - started) * 1000.0
         self.steps += 1
         for (slot, window, pushed_at), events in zip(batch, results):

@@ -24,13 +24,15 @@ import torch
 from ..base import (
     AudioChunk,
     CodecTokens,
-    ResponseDone,
     Control,
     ControlKind,
     EngineCapabilities,
+    EngineError,
     EngineEvent,
+    ResponseDone,
     SessionOptions,
     SlotWindow,
+    TurnState,
     WindowTiming,
 )
 from .audio import SAMPLE_RATE, WINDOW_SAMPLES
@@ -208,19 +210,36 @@ class LycheeBackend:
         self.runner.close(slot)
 
     def apply_controls(self, slot: int, controls: Sequence[Control]) -> list[EngineEvent]:
+        # The runner first: a CANCEL must take effect even if a vocoder update below fails.
+        events = self.runner.apply_controls(slot, controls)
         voc = self.vocoders.get(slot)
         if voc is not None:
             for c in controls:
-                if c.kind is ControlKind.CANCEL or c.kind is ControlKind.FORCE_LISTEN:
-                    voc.cancel()
-                elif c.kind is ControlKind.UPDATE and c.options is not None and hasattr(voc, "update"):
-                    voc.update(c.options)
-        return self.runner.apply_controls(slot, controls)
+                try:
+                    if c.kind is ControlKind.CANCEL or c.kind is ControlKind.FORCE_LISTEN:
+                        voc.cancel()
+                    elif c.kind is ControlKind.UPDATE and c.options is not None and hasattr(voc, "update"):
+                        voc.update(c.options)
+                except Exception as exc:  # one slot's bad voice must not stop the engine
+                    log.warning("slot %d: vocoder control %s failed: %s", slot, c.kind.value, exc)
+                    events.append(EngineError(c.epoch, "vocoder_control_failed",
+                                              f"{c.kind.value} could not be applied to the vocoder: {exc}"))
+        return events
 
     def step(self, windows: Sequence[SlotWindow]) -> list[list[EngineEvent]]:
         pre: list[list[EngineEvent]] = []
         for w in windows:
             pre.append(self.apply_controls(w.slot, w.controls) if w.controls else [])
+        # A slot closed while its window waited has nothing to step (the scheduler filters these
+        # too); skipping it here keeps the other slots' windows.
+        live = [i for i, w in enumerate(windows) if self.runner.slots[w.slot] is not None]
+        if len(live) < len(windows):
+            results_live = self.step([SlotWindow(w.slot, w.window, w.window_seq, w.epoch) for w in
+                                      (windows[i] for i in live)]) if live else []
+            merged: list[list[EngineEvent]] = [[] for _ in windows]
+            for i, events in zip(live, results_live):
+                merged[i] = events
+            return [p + m for p, m in zip(pre, merged)]
         results = self.runner.step([(w.slot, w.window, w.epoch) for w in windows])
         vocoded = self._vocode([w.slot for w in windows], results)
         return [events + out for events, out in zip(pre, vocoded)]
@@ -247,11 +266,8 @@ class LycheeBackend:
             if res.response_id is not None and (codes or res.finished):
                 jobs.append((i, voc, res.response_id, tuple(codes), res.finished))
         t0 = time.monotonic()
-        push_many = getattr(self.vocoder_factory, "push_many", None)
-        if jobs and push_many is not None:
-            pcm = push_many([(v, r, c, f) for _, v, r, c, f in jobs])
-        else:
-            pcm = [v.push(r, c, f) for _, v, r, c, f in jobs]
+        failed: dict[int, str] = {}
+        pcm = self._push_jobs(jobs, failed)
         vocoder_ms = (time.monotonic() - t0) * 1000.0
         audio = {i: chunks for (i, *_), chunks in zip(jobs, pcm)}
 
@@ -274,11 +290,51 @@ class LycheeBackend:
                         continue
                 events.append(ev)
             take_errors = getattr(voc, "take_errors", None)
-            if take_errors is not None:
-                events += take_errors()
+            errors = take_errors() if take_errors is not None else []
+            if i in failed:
+                errors.append(EngineError(-1, "vocoder_failed", failed[i], res.response_id))
+            if errors and res.response_id is not None and not res.cancelled:
+                events += self._fail_response(slot, res, errors)
+            else:
+                events += errors
             events.append(WindowTiming(window_seq=-1, queue_wait_ms=0.0, step_ms=0.0, vocoder_ms=vocoder_ms))
             out.append(events)
         return out
+
+    def _push_jobs(self, jobs, failed: dict[int, str]) -> list[list]:
+        """Vocode the step's jobs, batched; if the batch fails, each job alone, so one slot's failure
+        is that slot's alone."""
+        push_many = getattr(self.vocoder_factory, "push_many", None)
+        if jobs and push_many is not None:
+            try:
+                return push_many([(v, r, c, f) for _, v, r, c, f in jobs])
+            except Exception:
+                log.exception("batched vocoding failed; retrying slot by slot")
+        pcm = []
+        for i, voc, rid, codes, final in jobs:
+            try:
+                pcm.append(voc.push(rid, codes, final))
+            except Exception as exc:
+                log.warning("vocoding failed for %s: %s", rid, exc)
+                failed[i] = f"the vocoder failed on this response: {exc}"
+                pcm.append([])
+        return pcm
+
+    def _fail_response(self, slot: int, res: SlotResult, errors: list[EngineEvent]) -> list[EngineEvent]:
+        """A response whose audio cannot be made ends now, as failed, under its own epoch."""
+        state = self.runner.slots[slot]
+        epoch = state.epoch if state is not None else 0
+        events: list[EngineEvent] = [EngineError(epoch, e.code, e.message, e.response_id)
+                                     if isinstance(e, EngineError) else e for e in errors]
+        voc = self.vocoders.get(slot)
+        if voc is not None:
+            voc.cancel()
+        if state is not None and state.response_id == res.response_id:
+            self.runner.stop_response(slot)
+            events.append(TurnState(epoch, "listening", "vocoder_failed"))
+        if not any(isinstance(e, ResponseDone) for e in res.events):
+            events.append(ResponseDone(epoch, res.response_id, "failed", "vocoder_failed"))
+        return events
 
 
 def build_lychee_backend(options: Mapping[str, Any], max_sessions: int, *,

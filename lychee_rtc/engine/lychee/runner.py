@@ -172,7 +172,9 @@ class LycheeRunner:
     def open(self, slot: int, options: SessionOptions) -> None:
         state = SlotState(index=slot)
         if options.instructions:
-            ids = self.system_prefix(options.instructions)
+            # Text averages about 4 characters per token, so 8 per prefix token is more than can fit:
+            # cut the text first so tokenizing stays cheap on the engine thread, then the tokens.
+            ids = self.system_prefix(options.instructions[: 8 * self.max_prefix])
             if len(ids) > self.max_prefix:
                 log.warning("slot %d: instructions of %d tokens cut to %d", slot, len(ids), self.max_prefix)
                 ids = ids[: self.max_prefix - 1] + ids[-1:]  # keep the closing <|EOT|>
@@ -237,13 +239,21 @@ class LycheeRunner:
             elif c.kind is ControlKind.RELEASE_LISTEN:
                 state.force_listen = False
             elif c.kind is ControlKind.COMMIT:
-                state.commit = not state.force_listen
+                # "Answer now" means something only while listening; kept while speaking, it would
+                # make the model start again right after the user cancelled it.
+                state.commit = state.mode is Mode.LISTENING and not state.force_listen
             elif c.kind is ControlKind.UPDATE and c.options is not None:
                 if c.options.temperature is not None:
                     state.temperature = c.options.temperature
                 if c.options.seed is not None and state.generator is not None:
                     state.generator.manual_seed(int(c.options.seed))
         return events
+
+    def stop_response(self, slot: int) -> None:
+        """End the slot's response at this window boundary (its audio could not be made)."""
+        state = self.slots[slot]
+        if state is not None and state.mode is Mode.SPEAKING:
+            self._stop_speaking(state)
 
     def _stop_speaking(self, state: SlotState) -> None:
         """Leave speaking at a window boundary: the pending slot-9 position becomes a plain S-L
@@ -256,6 +266,7 @@ class LycheeRunner:
         state.response_id = None
         state.detok = None
         state.forced_decision = None
+        state.commit = False
 
     # ------------------------------------------------------------------------------------------
     # the step
@@ -269,8 +280,15 @@ class LycheeRunner:
             state = self.slots[slot]
             if state is None:
                 raise KeyError(f"slot {slot} is not open")
-            state.epoch = max(state.epoch, epoch)
             res = SlotResult([], [], state.response_id, False, False)
+            if epoch > state.epoch:
+                # The session moved on without our seeing its CANCEL: the response in flight
+                # belongs to the old epoch and must not continue under the new one.
+                if state.mode is Mode.SPEAKING:
+                    self._stop_speaking(state)
+                    res.cancelled = True
+                    res.events.append(TurnState(epoch, "listening", "cancelled"))
+                state.epoch = epoch
             self._context_policy(state, res)
             results.append(res)
             states.append(state)

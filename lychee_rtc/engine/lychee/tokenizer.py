@@ -30,6 +30,12 @@ except ImportError:  # close approximation with ``re``; identical on ASCII text 
     )
 
 
+# BPE over one pre-token is quadratic in its length; a pre-token longer than this (a run of CJK text
+# without spaces, a pasted blob) is merged in pieces of this many byte symbols, which bounds the
+# cost. Ordinary words are far shorter and tokenize exactly as with the reference tokenizer.
+MAX_BPE_WORD = 128
+
+
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
@@ -136,10 +142,11 @@ class Tokenizer:
                 continue
             for word in _PRETOKENIZE.findall(piece):
                 mapped = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
-                for tok in self._bpe(mapped):
-                    if tok not in self.vocab:
-                        raise TokenizerError(f"token {tok!r} not in vocabulary")
-                    ids.append(self.vocab[tok])
+                for start in range(0, len(mapped), MAX_BPE_WORD):
+                    for tok in self._bpe(mapped[start:start + MAX_BPE_WORD]):
+                        if tok not in self.vocab:
+                            raise TokenizerError(f"token {tok!r} not in vocabulary")
+                        ids.append(self.vocab[tok])
         return ids
 
     # -- decode ----------------------------------------------------------------------------
