@@ -39,7 +39,9 @@ class SlotTokenVocoder:
         self.slot = slot
         self.voice_name = pool.voices.resolve(options.voice)
         self.seed = options.seed
-        pool.voices.get(self.voice_name)  # prepare + prime now, not on the first hop
+        # Prepared now, not on the first hop, and held by the slot: the shared bank's bound can
+        # evict it without any response start having to prepare it again on the engine thread.
+        self._voice = pool.voices.get(self.voice_name)
         self._fence = EpochFence(0)
         self._epoch = 0
         self._stream: VocoderStream | None = None
@@ -68,8 +70,10 @@ class SlotTokenVocoder:
     def update(self, options: SessionOptions) -> None:
         """``session.update``: a new voice applies from the next response."""
         if options.voice:
-            self.voice_name = self.pool.voices.resolve(options.voice)
-            self.pool.voices.get(self.voice_name)
+            name = self.pool.voices.resolve(options.voice)
+            if name != self.voice_name:
+                self._voice = self.pool.voices.get(name)  # may raise; the backend reports it
+                self.voice_name = name
         if options.seed is not None:
             self.seed = options.seed
 
@@ -95,7 +99,7 @@ class SlotTokenVocoder:
             if s is not None:  # a new response without a cancel: the old one is over
                 s.cancel()
                 self._ended.append(s.response_id)
-            voice = self.pool.voices.get(self.voice_name)
+            voice = self._voice
             # stable across processes (str hashes are salted), distinct per response
             seed = None if self.seed is None else zlib.crc32(f"{self.seed}:{response_id}".encode())
             s = VocoderStream(self.pool.model, voice, self._epoch, response_id, rules=self.pool.rules,

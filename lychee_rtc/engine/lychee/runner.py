@@ -108,6 +108,7 @@ class SlotState:
     detok: IncrementalDetokenizer | None = None
     temperature: float = 0.7
     generator: torch.Generator | None = None
+    seed: int | None = None  # the client's seed, when it chose one
     codes_dropped: int = 0
     context_resets: int = 0
 
@@ -184,6 +185,7 @@ class LycheeRunner:
         state.temperature = self.settings.temperature if options.temperature is None else options.temperature
         seed = options.seed if options.seed is not None else self.settings.seed * 1000003 + slot
         state.generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        state.seed = options.seed
         self.slots[slot] = state
         self._start_context(state)
 
@@ -245,8 +247,11 @@ class LycheeRunner:
             elif c.kind is ControlKind.UPDATE and c.options is not None:
                 if c.options.temperature is not None:
                     state.temperature = c.options.temperature
-                if c.options.seed is not None and state.generator is not None:
+                # The session sends all its options with every update: re-seed only on a new seed,
+                # or a voice change would restart the random stream.
+                if c.options.seed is not None and c.options.seed != state.seed and state.generator is not None:
                     state.generator.manual_seed(int(c.options.seed))
+                    state.seed = c.options.seed
         return events
 
     def stop_response(self, slot: int) -> None:
