@@ -216,6 +216,7 @@ BAD_MESSAGES = [
     (json.dumps({"type": "response.explode", "event_id": "e1"}), "unknown_event"),
     (json.dumps({"type": "session.update", "session": {"temperature": "hot"}}), "invalid_event"),
     (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "invalid_voice"),
+    (json.dumps({"type": "session.update", "session": {"instructions": "be brief"}}), "instructions_fixed"),
     (json.dumps({"type": "playback.ack", "response_id": "resp_x", "played_ms": -1}), "invalid_event"),
     (json.dumps({"type": "playback.ack", "response_id": "resp_x", "played_ms": 5}), "response_not_found"),
     (json.dumps({"type": "response.cancel"}), "response_cancel_not_active"),

@@ -356,7 +356,10 @@ class DuplexSession:
             raise ProtocolError("invalid_voice", f"voice {voice!r} is not one of {list(voices)}", event_id)
         if voice is not None and not voices:
             raise ProtocolError("invalid_voice", f"engine {self.engine_name!r} has no selectable voices", event_id)
-        changes = {k: fields[k] for k in ("voice", "temperature", "seed", "instructions") if k in fields}
+        if "instructions" in fields and fields["instructions"] != self.options.instructions:
+            raise ProtocolError("instructions_fixed", "instructions apply when the session opens: send them "
+                                "in the offer's session object", event_id)
+        changes = {k: fields[k] for k in ("voice", "temperature", "seed") if k in fields}
         self.options = replace(self.options, **changes)
         if "metrics" in fields:
             self.metrics_enabled = bool(fields["metrics"])
