@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from lychee_rtc.config import load_settings
-from lychee_rtc.media.resample import PcmResampler
+from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.server.app import create_app
 
 

@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import wave
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 
 import numpy as np
 import pytest
+from conftest import running_server
 from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
-from conftest import running_server
 from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.pcm import write_wav
 from lychee_rtc.server.app import MANAGER_KEY
 
 CHROMIUM = "/usr/bin/chromium"
@@ -34,13 +34,7 @@ SPEECH_RMS = 0.01
 
 def write_mic_wav(path: Path, speech: np.ndarray) -> Path:
     signal = np.concatenate([np.zeros(RATE, np.float32), speech, np.zeros(15 * RATE, np.float32)])
-    pcm = (np.clip(signal, -1, 1) * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(RATE)
-        w.writeframes(pcm.tobytes())
-    return path
+    return write_wav(path, signal, RATE)
 
 
 @asynccontextmanager

@@ -12,10 +12,10 @@ import textwrap
 
 import aiohttp
 import numpy as np
-
 from conftest import running_server
+
 from lychee_rtc.bench.client import RATE, RtcClient
-from lychee_rtc.media.resample import PcmResampler
+from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.session.protocol import validate_server_event
 
 SILENCE = np.zeros(RATE // 2, np.float32)

@@ -31,7 +31,7 @@ from lychee_rtc.engine.base import (
     TurnState,
 )
 from lychee_rtc.engine.vad import CHUNK, SileroVad, VadStream
-from lychee_rtc.media.resample import PcmResampler
+from lychee_rtc.pcm import PcmResampler
 
 INPUT_RATE = 16000
 OUTPUT_RATE = 24000

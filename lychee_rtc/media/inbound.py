@@ -11,12 +11,11 @@ import logging
 from dataclasses import dataclass
 
 import av
+import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-import numpy as np
-
 from lychee_rtc.media.conceal import conceal
-from lychee_rtc.media.resample import frame_to_mono_float
+from lychee_rtc.pcm import frames_to_array
 from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
                     continue
             expected = start + duration
         try:
-            samples = frame_to_mono_float(frame, resampler)
+            samples = frames_to_array(resampler.resample(frame))
         except (ValueError, av.FFmpegError) as exc:
             counters.bad_frames += 1
             log.warning("session %s: dropping undecodable audio frame: %s", session.id, exc)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lychee_rtc.media.resample import PcmResampler
+from lychee_rtc.pcm import PcmResampler
 
 
 @dataclass(frozen=True)

@@ -157,20 +157,13 @@ def write_tiny_token2wav(folder: str | Path, seed: int = 0, flow_config: FlowCon
 
 def write_test_prompt(path: str | Path, seconds: float = 1.0, sample_rate: int = 24000, seed: int = 0) -> Path:
     """A voiced-ish synthetic prompt WAV (16-bit PCM) for tiny voices and tests."""
-    import wave
+    from lychee_rtc.pcm import write_wav
 
     rng = np.random.default_rng(seed)
     t = np.arange(int(seconds * sample_rate)) / sample_rate
     f0 = 140 + 30 * np.sin(2 * np.pi * 1.5 * t)
     x = 0.3 * np.sin(2 * np.pi * np.cumsum(f0) / sample_rate) + 0.02 * rng.standard_normal(t.shape)
-    pcm = (np.clip(x, -1, 1) * 32767).astype("<i2")
-    path = Path(path)
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(pcm.tobytes())
-    return path
+    return write_wav(path, x, sample_rate)
 
 
 def write_tiny_vocoder(out: str | Path, seed: int = 0) -> dict:
