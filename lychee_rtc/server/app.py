@@ -135,7 +135,7 @@ def _ice_links(settings: Settings) -> list[str]:
     return links
 
 
-def _whip_headers(request: web.Request, call: RtcCall) -> dict[str, str]:
+def _whip_headers(call: RtcCall) -> dict[str, str]:
     return {"ETag": call.etag, "Accept-Patch": WHIP_PATCH_TYPE}
 
 
@@ -194,7 +194,7 @@ async def whip_post(request: web.Request) -> web.Response:
     except SdpError as exc:
         return _sdp_error(exc)
     location = f"/whip/{call.session.id}"
-    headers = {"Location": location, **_whip_headers(request, call)}
+    headers = {"Location": location, **_whip_headers(call)}
     response = web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
                             headers=headers)
     for link in _ice_links(request.app[SETTINGS_KEY]):
@@ -224,7 +224,7 @@ async def whip_patch(request: web.Request) -> web.Response:
         await request.app[MANAGER_KEY].add_remote_candidates(call, fragment)
     except SdpError as exc:
         return _sdp_error(exc)
-    return web.Response(status=204, headers=_whip_headers(request, call))
+    return web.Response(status=204, headers=_whip_headers(call))
 
 
 async def delete_session(request: web.Request) -> web.Response:
