@@ -15,10 +15,10 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lychee_rtc.resources import shared_path, shipped_profile
+
 ENV_PREFIX = "LYCHEE_RTC_"
-PACKAGE_ROOT = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_ROOT.parent
-DEFAULT_PROFILE = REPO_ROOT / "configs" / "echo.yaml"
+DEFAULT_PROFILE = shared_path("configs") / "echo.yaml"
 
 
 class ConfigError(ValueError):
@@ -61,7 +61,7 @@ class ServerSettings(_Section):
     cors_origins: list[str] = Field(default_factory=lambda: ["*"])
     # When set, signaling requires "Authorization: Bearer <token>".
     auth_token: str | None = None
-    web_root: Path | None = None  # defaults to the repository's web/ folder
+    web_root: Path | None = None  # defaults to the web client shipped with the server
     max_sdp_bytes: int = Field(64 * 1024, ge=1024)
 
 
@@ -129,7 +129,7 @@ class Settings(_Section):
 
     @property
     def web_root(self) -> Path:
-        return self.server.web_root or REPO_ROOT / "web"
+        return self.server.web_root or shared_path("web")
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
@@ -170,15 +170,52 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration ({source}):"]
+def _has_path(tree: Mapping[str, Any], path: tuple[Any, ...]) -> bool:
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _env_name(path: tuple[Any, ...], environ: Mapping[str, str]) -> str:
+    """The environment variable that set ``path`` (or one of its parents), as the user spelled it."""
+    for depth in range(len(path), 0, -1):
+        want = [str(p).lower() for p in path[:depth]]
+        for name in environ:
+            if name.startswith(ENV_PREFIX) and [p.lower() for p in name[len(ENV_PREFIX):].split("__")] == want:
+                return name
+    return ENV_PREFIX + "__".join(str(p).upper() for p in path)
+
+
+def _format_validation_error(exc: ValidationError, profile: str, env: Mapping[str, Any],
+                             environ: Mapping[str, str], overrides: Mapping[str, Any]) -> str:
+    """One line per bad key, each naming where its value came from: flag, environment or file."""
+    problems = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"  {key}: {msg}")
-    return "\n".join(lines)
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        # The value of a key comes from the highest layer that has it (or a parent of it).
+        prefixes = [loc[:n] for n in range(len(loc), 0, -1)]
+        if any(_has_path(overrides, p) for p in prefixes):
+            origin = "command line"
+        elif any(_has_path(env, p) for p in prefixes):
+            origin = f"environment variable {_env_name(loc, environ)}"
+        else:
+            origin = profile
+        problems.append(f"{key}: {msg} (from {origin})")
+    return "invalid configuration: " + "; ".join(problems)
+
+
+def resolve_profile(path: str | Path) -> Path:
+    """A profile path as given; a bare name (``loopback``) that is no file names a shipped profile."""
+    candidate = Path(path)
+    if candidate.exists():
+        return candidate
+    shipped = shipped_profile(str(path))
+    return shipped if shipped is not None else candidate
 
 
 def read_profile(path: Path) -> dict[str, Any]:
@@ -205,12 +242,12 @@ def load_settings(
     environ = os.environ if environ is None else environ
     if path is None and environ.get(ENV_PREFIX + "CONFIG"):
         path = environ[ENV_PREFIX + "CONFIG"]
-    profile = Path(path) if path is not None else DEFAULT_PROFILE
+    profile = resolve_profile(path) if path is not None else DEFAULT_PROFILE
     data = read_profile(profile) if (path is not None or profile.exists()) else {}
-    data = _merge(data, env_overrides(environ))
-    if overrides:
-        data = _merge(data, overrides)
+    env = env_overrides(environ)
+    overrides = overrides or {}
+    data = _merge(_merge(data, env), overrides)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, str(profile))) from None
+        raise ConfigError(_format_validation_error(exc, f"config file {profile}", env, environ, overrides)) from None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 import socket
 import subprocess
 import wave
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -19,16 +21,41 @@ from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.server.app import create_app
 
 
-def synthesize(text: str, rate: int = 48000, voice: str = "en") -> np.ndarray:
-    """Speech from espeak-ng, resampled to ``rate`` mono float32."""
+SPEECH_DIR = Path(__file__).resolve().parent / "fixtures" / "speech"
+
+
+def speech_fixture(text: str, voice: str = "en") -> Path:
+    """The WAV of ``text`` spoken by espeak-ng, kept in the repository so tests need no synthesizer.
+
+    A new sentence is synthesised once (espeak-ng must be installed then) and written next to the
+    others; commit it with the test that uses it.
+    """
+    key = hashlib.sha1(f"{voice}\n{text}".encode()).hexdigest()[:12]
+    path = SPEECH_DIR / f"{key}.wav"
+    if path.exists():
+        return path
     exe = shutil.which("espeak-ng")
     if exe is None:
-        pytest.fail("espeak-ng is required for the speech fixtures (.ci/run installs it)")
+        pytest.fail(f"no speech fixture for {text!r} ({path.name}); install espeak-ng once to create it")
     wav = subprocess.run([exe, "-v", voice, "-s", "160", "--stdout", text], capture_output=True, check=True).stdout
     with wave.open(io.BytesIO(wav)) as w:
         src_rate = w.getframerate()
-    # espeak-ng streams its WAV with an unknown length in the header; the data starts at byte 44.
-    pcm = np.frombuffer(wav[44:], dtype=np.int16).astype(np.float32) / 32768.0
+    SPEECH_DIR.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(src_rate)
+        # espeak-ng streams its WAV with an unknown length in the header; the data starts at byte 44.
+        out.writeframes(wav[44:])
+    (SPEECH_DIR / "index.txt").open("a").write(f"{path.name}\t{voice}\t{text}\n")
+    return path
+
+
+def synthesize(text: str, rate: int = 48000, voice: str = "en") -> np.ndarray:
+    """Speech (see ``speech_fixture``), resampled to ``rate`` mono float32."""
+    with wave.open(str(speech_fixture(text, voice))) as w:
+        src_rate = w.getframerate()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
     r = PcmResampler(src_rate, rate)
     return np.concatenate([r.process(pcm), r.flush()])
 
