@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import shutil
@@ -10,7 +11,7 @@ import subprocess
 import wave
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 import pytest
@@ -74,6 +75,21 @@ def long_utterance() -> np.ndarray:
 @pytest.fixture(scope="session")
 def interjection() -> np.ndarray:
     return synthesize("Wait, stop, stop please, I have a question for you.", voice="en+f3")
+
+
+async def wait_until(condition: Callable[[], Any], timeout: float = 60.0, what: str = "the condition") -> Any:
+    """Poll ``condition`` until it returns something truthy (returned); fail after ``timeout`` s.
+
+    Tests wait for what they need to have happened, never for a fixed time: on a busy machine
+    everything takes longer, and the deadline is only there to end a test that hangs.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (result := condition()):
+        if loop.time() > deadline:
+            pytest.fail(f"waited {timeout:.0f} s for {what}")
+        await asyncio.sleep(0.02)
+    return result
 
 
 def free_port() -> int:
