@@ -82,7 +82,7 @@ async def test_a_server_installed_from_the_wheel_takes_a_call_with_a_session(ins
         try:
             # The session object is validated against the event schema: this needs the schema file.
             await client.connect(session={"metrics": True, "temperature": 0.7})
-            created = await client.wait_event("session.created", timeout=30)
+            created = await client.wait_event("session.created", timeout=60)
             assert created["session"]["metrics"] is True
         finally:
             await client.close()

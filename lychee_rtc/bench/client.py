@@ -200,7 +200,7 @@ class RtcClient:
                     raise RuntimeError(f"offer refused: {resp.status} {data}")
         self.session_id = data["session_id"]
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=data["sdp"], type="answer"))
-        await asyncio.wait_for(self._channel_open.wait(), 20)
+        await asyncio.wait_for(self._channel_open.wait(), 60)
 
     async def _record(self, track) -> None:
         resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
@@ -235,7 +235,7 @@ class RtcClient:
     def events_of(self, event_type: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["type"] == event_type]
 
-    async def wait_event(self, event_type: str, timeout: float = 20.0, after: int = 0, **match: Any) -> dict[str, Any]:
+    async def wait_event(self, event_type: str, timeout: float = 60.0, after: int = 0, **match: Any) -> dict[str, Any]:
         """The first event of ``event_type`` (with ``match`` fields) at index >= ``after``."""
 
         def find() -> dict[str, Any] | None:
