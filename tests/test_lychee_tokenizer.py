@@ -182,6 +182,15 @@ def test_tokenizer_json_gives_the_same_as_vocab_and_merges(tmp_path, merged):
         assert fast.token_to_id(content) == tid
 
 
+def test_from_parts_in_memory_gives_the_recorded_ids():
+    vocab, added = merged_vocab()
+    tok = Tokenizer.from_parts(vocab, MERGES, added)
+    assert [tok.encode(t) for t in TEXTS] == RECORDED_MERGED
+    byte_tokens, released_added = tiny_vocab(TinySpec(vocab_layout="released"))
+    released = Tokenizer.from_parts(byte_tokens, [], released_added)  # as the GPU benchmark builds it
+    assert released.token_to_id("<|BackChannel|>") == 158362 and len(released) == 158363
+
+
 def test_the_released_ids_with_a_gap_after_the_byte_tokens(tmp_path):
     """The released layout puts the specials at 151643.. and the duplex tokens at 158352..: ids are
     kept as the files give them, not renumbered."""

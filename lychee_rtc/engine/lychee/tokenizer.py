@@ -196,6 +196,13 @@ class Tokenizer:
         merges = _read_merges(mp) if mp.is_file() else []
         return cls(qwen2_tokenizer_json(vocab, merges, list(declared.values())), str(vp))
 
+    @classmethod
+    def from_parts(cls, vocab: dict[str, int], merges: list[tuple[str, str]],
+                   added: dict[str, int]) -> "Tokenizer":
+        """From a vocabulary, merges in rank order and added (special) tokens held in memory."""
+        entries = [{"id": i, "content": t, "special": True} for t, i in added.items()]
+        return cls(qwen2_tokenizer_json(dict(vocab), [f"{a} {b}" for a, b in merges], entries), "<in memory>")
+
     # -- lookup ----------------------------------------------------------------------------
 
     def token_to_id(self, token: str) -> int | None:
