@@ -62,7 +62,7 @@ def main() -> int:
     print(f"built {params / 1e9:.2f} B params in {time.monotonic() - t0:.1f}s on {torch.cuda.get_device_name(device)}",
           flush=True)
     byte_tokens, added = tiny_vocab(RELEASED)
-    tok = Tokenizer(byte_tokens, [], added)
+    tok = Tokenizer.from_parts(byte_tokens, [], added)
     sync = torch.cuda.synchronize
     results = []
     for c in [int(x) for x in args.sessions.split(",")]:

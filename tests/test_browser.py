@@ -201,11 +201,33 @@ async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, utterance)
             epoch: window.lychee.epoch(), response_id: "resp_synthetic", delta: "Hello from the text channel."})""")
         await expect(page.locator('#transcript [data-response-id="resp_synthetic"]')).to_have_text(
             "Hello from the text channel.")
+        # A long answer wraps inside the box, also a run without spaces (a URL, CJK text).
+        await page.evaluate("""() => window.lychee.handleServerEvent({
+            type: "response.output_audio_transcript.delta", seq: 100001, event_id: "synthetic-2",
+            epoch: window.lychee.epoch(), response_id: "resp_synthetic",
+            delta: " and more".repeat(200) + " " + "x".repeat(600) + "\\nsecond line"})""")
+        box = await page.locator("#transcript").evaluate(
+            """(el) => ({scroll: el.scrollWidth, client: el.clientWidth,
+                        height: el.querySelector('[data-response-id="resp_synthetic"]').getBoundingClientRect().height,
+                        line: parseFloat(getComputedStyle(el).lineHeight) || 20})""")
+        assert box["scroll"] <= box["client"] + 1, f"the transcript scrolls sideways: {box}"
+        assert box["height"] > 5 * box["line"], f"the long answer did not wrap onto several lines: {box}"
 
         # The latency panel fills from getStats and the server's metrics events.
         await expect(page.locator("#stat-jb")).to_contain_text("ms", timeout=60_000)
         await expect(page.locator("#srv-step")).to_contain_text("ms", timeout=60_000)
         await expect(page.locator("#m2e")).to_contain_text("ms", timeout=60_000)
+        # Answer audio queued for playout is shown apart, not counted as a delay of the path.
+        await expect(page.locator("#answer-queued")).to_contain_text("ms", timeout=60_000)
+        names = await page.locator("#m2e-parts li span:first-child").all_inner_texts()
+        assert len(names) == 6 and not [n for n in names if "playout" in n or "queued" in n], names
+        estimate = await page.evaluate("""async () => {
+            const m = await import("/static/stats.js");
+            const server = {deadline_ms: 20, queue_wait_ms: 1, step_ms: 4, playout_depth_ms: 5000};
+            return {total: m.mouthToEar({rttMs: 40, jitterBufferMs: 30, server}).totalMs,
+                    queued: m.answerQueuedMs(server)};
+        }""")
+        assert estimate == {"total": 20 + 20 + 1 + 4 + 20 + 30, "queued": 5000}, estimate
 
         # Disconnect frees the server's slot.
         await page.click("#disconnect")

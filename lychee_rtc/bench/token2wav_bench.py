@@ -1,8 +1,8 @@
 """Token2Wav streaming speed: wall time and real-time factor per hop, at several concurrencies.
 
-Each round gives every stream one hop (10 new codes = 400 ms of audio; the first round 13 codes)
-and runs ``synthesize_hops`` over all streams (batched, the way the engine runs them) or one
-stream after another (``--sequential``). Reported per round: wall ms, and RTF = round time /
+Each round gives every stream one hop (10 new codes = 400 ms of audio; the first round 14 codes,
+as a hop waits for more than hop + look-ahead codes) and runs ``synthesize_hops`` over all streams
+(batched, the way the engine runs them) or one stream after another (``--sequential``). Reported per round: wall ms, and RTF = round time /
 400 ms (the time to make 400 ms of audio for *every* stream; <= 1 is real time, the target on one
 H200 is <= 0.1 at C4). The first round (prompt already primed) is reported apart, as is priming.
 
@@ -106,7 +106,7 @@ def bench_vocoder(model: Token2Wav, size: str, concurrency: int, rounds: int = 2
     seqs = [0] * concurrency
     times = []
     for r in range(rounds + 1):
-        n = 13 if r == 0 else 10
+        n = 14 if r == 0 else 10  # then 4 stay pending: each round of 10 makes exactly one hop
         for i, s in enumerate(streams):
             s.feed(torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist(), 0, s.response_id, seqs[i])
             seqs[i] += 1
