@@ -26,7 +26,7 @@ def test_bench_gpu_tiny_on_cpu_writes_json_and_markdown(tmp_path):
         assert r["lm_ms"]["p50"] > 0
         assert abs(r["total_ms"]["max"] - max(a + b for a, b in zip(r["raw_lm_ms"], r["raw_vocoder_ms"]))) < 1e-9
         assert abs(r["rtf"]["max"] - r["total_ms"]["max"] / 400.0) < 1e-9
-        assert r["peak_gib"] is None and r["launch_overhead"] is None  # CPU: no graphs, no GPU memory
+        assert r["peak_gib"] is None and r["launch_overhead_lm"] is None  # CPU: no graphs, no GPU memory
         if r["state"] == "speak":
             assert min(r["raw_vocoder_ms"]) > 0  # one Token2Wav hop per stream and window
         else:

@@ -11,11 +11,12 @@ runner and measures two steady states:
   (10 codes = 400 ms of audio) for each of the C streams, batched.
 
 Each state is measured twice on the same runner, sessions and caches: eager (every kernel launched
-from Python) and replaying the captured CUDA graphs; on a CPU only eager runs. Per window it records
+from Python) and replaying the captured CUDA graphs (the LM's window programs and the flow's per-hop
+solve); on a CPU only eager runs. Per window it records
 the LM step (``LycheeRunner.step``: front-end, audio encoder, the window's forward(s), sampling, the
 per-slot state machine), the vocoder time, their total, RTF = total / 400 ms, and reports p50 / p95 /
-max, the peak GPU memory, and the launch-overhead share of the eager step, 1 - graph p50 / eager p50
-(the part of an eager window that replaying graphs removes). Decisions are biased to "keep" so that
+max, the peak GPU memory, and the launch-overhead share of the eager window, 1 - graph p50 / eager
+p50, for the LM step and for the total (the part of an eager window that replaying graphs removes). Decisions are biased to "keep" so that
 each state holds; windows where a session left the state are not counted.
 
     lychee-rtc bench gpu --out bench-gpu                          # full size, CUDA, C = 1,2,4,8,16
@@ -68,7 +69,8 @@ class Row:
     total_ms: Series
     rtf: Series  # total / 400 ms
     peak_gib: float | None  # CUDA peak allocated over this C (both modes), None on CPU
-    launch_overhead: float | None = None  # eager rows: 1 - graph p50 / eager p50 of the LM step
+    launch_overhead_lm: float | None = None  # eager rows: 1 - graph p50 / eager p50 of the LM step
+    launch_overhead_total: float | None = None  # the same for LM step + vocoder
     raw_lm_ms: list[float] = field(default_factory=list)
     raw_vocoder_ms: list[float] = field(default_factory=list)
 
@@ -225,6 +227,8 @@ def measure(model, tokenizer, vocoder_model, sessions: int, *, windows: int, war
             measured = {}
             for mode in run_modes:
                 runner.use_graphs = mode == "graphs"
+                if vocoder_model is not None:
+                    vocoder_model.flow.decoder.use_graphs = mode == "graphs"
                 lm, voc, k = _drive_state(runner, state, sessions, audio, windows, warmup, sync, vocoder, k)
                 measured[mode] = (lm, voc)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
@@ -237,7 +241,8 @@ def measure(model, tokenizer, vocoder_model, sessions: int, *, windows: int, war
             eager = next((r for r in out if (r.sessions, r.state, r.mode) == (sessions, state, "eager")), None)
             graph = next((r for r in out if (r.sessions, r.state, r.mode) == (sessions, state, "graphs")), None)
             if eager and graph:
-                eager.launch_overhead = 1.0 - graph.lm_ms.p50 / eager.lm_ms.p50
+                eager.launch_overhead_lm = 1.0 - graph.lm_ms.p50 / eager.lm_ms.p50
+                eager.launch_overhead_total = 1.0 - graph.total_ms.p50 / eager.total_ms.p50
     for s in range(sessions):
         if runner.slots[s] is not None:
             runner.close(s)
@@ -273,11 +278,12 @@ def format_table(rows: Sequence[Row]) -> str:
         return f"{x.p50:{f}} / {x.p95:{f}} / {x.max:{f}}"
 
     lines = ["| C | state | mode | windows | LM step ms p50 / p95 / max | vocoder ms p50 / p95 / max "
-             "| total ms p50 / p95 / max | RTF p50 / p95 / max | peak GiB | launch overhead |",
+             "| total ms p50 / p95 / max | RTF p50 / p95 / max | peak GiB | launch overhead LM / total |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peak = "-" if r.peak_gib is None else f"{r.peak_gib:.1f}"
-        over = "-" if r.launch_overhead is None else f"{100 * r.launch_overhead:.0f} %"
+        over = ("-" if r.launch_overhead_lm is None or r.launch_overhead_total is None
+                else f"{100 * r.launch_overhead_lm:.0f} % / {100 * r.launch_overhead_total:.0f} %")
         lines.append(f"| C{r.sessions} | {r.state} | {r.mode} | {r.windows} | {s3(r.lm_ms)} | {s3(r.vocoder_ms)} "
                      f"| {s3(r.total_ms)} | {s3(r.rtf, '.3f')} | {peak} | {over} |")
     return "\n".join(lines)
@@ -343,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     model, tokenizer, raw = build_lychee(args.size, device, dtype)
     vocoder = None if args.no_vocoder else build_vocoder(args.size, device, dtype)
+    if vocoder is not None and device.type == "cuda" and "graphs" in modes:
+        vocoder.flow.decoder.enable_cuda_graphs()  # toggled per mode below, like the runner's
     built_s = time.monotonic() - t0
     params = sum(p.numel() for p in model.parameters())
     setup = {"size": args.size, "dtype": dtype_name, "max_seq": max_seq, "lm_params_b": round(params / 1e9, 3),

@@ -114,7 +114,8 @@ class StaticProgram(Generic[T]):
                 self.fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: other threads of the server may touch CUDA while the engine captures
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self.out = self.fn()
         self.graph = graph
 
