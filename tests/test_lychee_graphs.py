@@ -213,7 +213,10 @@ def test_graphs_are_selected_only_on_cuda(model, tok, ckpt):
     with pytest.raises(SettingsError, match=r"engine\.lychee\.cuda_graphs"):
         LycheeEngineSettings.from_mapping(base | {"cuda_graphs": "on"})
     with pytest.raises(SettingsError, match=r"engine\.lychee\.cuda_graphs"):
-        LycheeEngineSettings.from_mapping(base | {"cuda_graphs": True})
+        LycheeEngineSettings.from_mapping(base | {"cuda_graphs": True})  # unquoted `on` in YAML, on a CPU
+    with pytest.raises(SettingsError, match=r"engine\.lychee\.cuda_graphs"):
+        LycheeEngineSettings.from_mapping(base | {"cuda_graphs": 1})
+    assert LycheeEngineSettings.from_mapping(base | {"cuda_graphs": False}).cuda_graphs == "off"
     assert LycheeEngineSettings.from_mapping(base | {"cuda_graphs": "off"}).runner_settings().cuda_graphs == "off"
 
 

@@ -46,6 +46,7 @@ def test_switch_selects_graphs_only_on_cuda(vocoder_dir):
         Token2Wav.load(vocoder_dir["folder"], device="cpu", cuda_graphs="on")
     s = Token2WavSettings.from_mapping(dict(vocoder_dir) | {"cuda_graphs": "off"})
     assert s.cuda_graphs == "off"
+    assert Token2WavSettings.from_mapping(dict(vocoder_dir) | {"cuda_graphs": False}).cuda_graphs == "off"
     with pytest.raises(VocoderSettingsError, match=r"token2wav\.cuda_graphs"):
         Token2WavSettings.from_mapping(dict(vocoder_dir) | {"cuda_graphs": "always"})
     with pytest.raises(VocoderSettingsError, match=r"token2wav\.cuda_graphs"):

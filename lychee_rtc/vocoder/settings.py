@@ -86,6 +86,8 @@ class Token2WavSettings:
         if long_stream not in ("extend", "error"):
             raise VocoderSettingsError(f"{prefix}.long_stream: must be extend or error")
         cuda_graphs = data.get("cuda_graphs", "auto")
+        if isinstance(cuda_graphs, bool):  # YAML reads an unquoted on/off as a boolean
+            cuda_graphs = "on" if cuda_graphs else "off"
         if cuda_graphs not in ("auto", "on", "off"):
             raise VocoderSettingsError(f"{prefix}.cuda_graphs: must be auto, on or off")
         if cuda_graphs == "on" and device == "cpu":

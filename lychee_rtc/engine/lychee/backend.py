@@ -85,6 +85,8 @@ class LycheeEngineSettings:
             if key not in known:
                 raise SettingsError(f"engine.lychee.{key}: unknown setting (known: {', '.join(sorted(known))})")
         values = dict(options)
+        if isinstance(values.get("cuda_graphs"), bool):  # YAML reads an unquoted on/off as a boolean
+            values["cuda_graphs"] = "on" if values["cuda_graphs"] else "off"
         for key, value in values.items():
             f = known[key]
             want = str(f.type)
