@@ -12,15 +12,15 @@ runner and measures two steady states:
 
 Each state is measured twice on the same runner, sessions and caches: eager (every kernel launched
 from Python) and replaying the captured CUDA graphs (the LM's window programs and the flow's per-hop
-solve); on a CPU only eager runs. Per window it records
-the LM step (``LycheeRunner.step``: front-end, audio encoder, the window's forward(s), sampling, the
-per-slot state machine), the vocoder time, their total, RTF = total / 400 ms, and reports p50 / p95 /
-max, the peak GPU memory, and the launch-overhead share of the eager window, 1 - graph p50 / eager
-p50, for the LM step and for the total (the part of an eager window that replaying graphs removes). Decisions are biased to "keep" so that
-each state holds; windows where a session left the state are not counted.
+solve); on a CPU only eager runs. Per window it records the LM step (``LycheeRunner.step``:
+front-end, audio encoder, the window's forward(s), sampling, the per-slot state machine), the
+vocoder time, their total, RTF = total / 400 ms, and reports p50 / p95 / max, the peak GPU memory, and the launch-overhead share of the eager window, 1 - graph p50 / eager
+p50, for the LM step and for the total (the part of an eager window that replaying graphs removes).
+Decisions are biased to "keep" so that each state holds; windows where a session left the state are
+not counted.
 
     lychee-rtc bench gpu --out bench-gpu                          # full size, CUDA, C = 1,2,4,8,16
-    lychee-rtc bench gpu --size tiny --device cpu --windows 3 --concurrency 1,2 --out /tmp/b
+    lychee-rtc bench gpu --size tiny --device cpu --windows 3 --concurrency 1,2 --out bench-tiny
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class VocoderLoad:
 
 
 def _drive_state(runner: "LycheeRunner", state: str, sessions: int, audio: list, windows: int, warmup: int,
-                 sync: Callable[[], None], vocoder: VocoderLoad | None, k0: int) -> tuple[list[float], list[float], int]:
+                 sync: Callable[[], None], vocoder: VocoderLoad | None,
+                 k0: int) -> tuple[list[float], list[float], int]:
     """Step the open sessions until ``windows`` windows were measured with every session in ``state``."""
     from lychee_rtc.engine.base import Control, ControlKind
     from lychee_rtc.engine.lychee.runner import Mode

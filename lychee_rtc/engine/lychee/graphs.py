@@ -22,13 +22,10 @@ same; compiling a 40-layer model also costs minutes of start-up and re-compiles 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Collection, Generic, Sequence, TypeVar
 
 import torch
-
-log = logging.getLogger(__name__)
 
 BUCKET_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 GRAPH_MODES = ("auto", "on", "off")
