@@ -26,6 +26,7 @@ not counted.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -204,6 +205,7 @@ def measure(model, tokenizer, vocoder_model, sessions: int, *, windows: int, war
 
     device = model.lm_head.weight.device
     cuda = device.type == "cuda"
+    gc.collect()  # the previous C's runner (its programs refer back to it) and its graph pools
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
