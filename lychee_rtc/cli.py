@@ -117,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_tiny_checkpoint, passes_extra_args=True)
 
     from lychee_rtc.bench.cli import add_bench_parser
+    from lychee_rtc.cluster.cli import add_cluster_parser
 
     add_bench_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -113,12 +113,47 @@ class MetricsSettings(_Section):
     enabled: bool = True
 
 
+class ClusterSettings(_Section):
+    """``lychee-rtc cluster serve``: one signaling entry in front of worker processes placed by Ray."""
+
+    # Where the Ray cluster is: null starts a local Ray inside the entry; "auto" or "host:port" joins one.
+    address: str | None = None
+    namespace: str = Field("lychee-rtc", min_length=1)
+    # "auto": one worker per GPU (worker_gpus > 0), else one per unit of worker_resource in the cluster.
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    worker_gpus: float = Field(0.0, ge=0)
+    worker_cpus: float = Field(1.0, ge=0)
+    # On CPU nodes, `ray start --resources '{"lychee_rtc_worker": N}'` says how many workers a node hosts.
+    worker_resource: str = Field("lychee_rtc_worker", min_length=1)
+    # The address each worker's own HTTP port listens on (default: its Ray node's IP), and the ports
+    # it may take ([first, last], both included; null: any free port).
+    worker_host: str | None = None
+    worker_ports: tuple[int, int] | None = None
+    # Ray restarts a dead worker this many times (-1: always).
+    max_restarts: int = Field(-1, ge=-1)
+    poll_interval_s: float = Field(0.5, gt=0, le=60)
+    status_timeout_s: float = Field(2.0, gt=0, le=60)
+    connect_timeout_s: float = Field(2.0, gt=0, le=60)
+    forward_timeout_s: float = Field(30.0, gt=0, le=600)
+    drain_timeout_s: float = Field(600.0, gt=0)
+    # Object store of a local Ray started by the entry (address: null); signaling moves little data.
+    local_object_store_mb: int = Field(128, ge=75)
+
+    @field_validator("worker_ports")
+    @classmethod
+    def _port_range(cls, ports: tuple[int, int] | None) -> tuple[int, int] | None:
+        if ports is not None and not (1 <= ports[0] <= ports[1] <= 65535):
+            raise ValueError("worker_ports must be [first, last] with 1 <= first <= last <= 65535")
+        return ports
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     rtc: RtcSettings = Field(default_factory=RtcSettings)
     session: SessionSettings = Field(default_factory=SessionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @model_validator(mode="after")
     def _web_root_exists(self) -> "Settings":

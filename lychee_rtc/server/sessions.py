@@ -78,6 +78,9 @@ class SessionManager:
         self.calls: dict[str, RtcCall] = {}
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
+        # Put in every session id; a cluster worker sets its worker id here so that an entry can
+        # route a session's follow-up requests from the id alone.
+        self.id_prefix = ""
 
     @property
     def capacity(self) -> int:
@@ -125,7 +128,7 @@ class SessionManager:
         pc = RTCPeerConnection(self.rtc_configuration())
         track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
                                 live=caps.live_passthrough)
-        session_id = "sess_" + secrets.token_hex(8)
+        session_id = f"sess_{self.id_prefix}{secrets.token_hex(8)}"
         session = DuplexSession(session_id, self.settings.session, slot, track, engine_name=caps.name,
                                 observer=self.metrics, options=options, metrics_enabled=metrics)
         track.listener = session
