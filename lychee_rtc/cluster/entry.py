@@ -25,7 +25,7 @@ from aiohttp import web
 
 from lychee_rtc import __version__
 from lychee_rtc.cluster import placement
-from lychee_rtc.cluster.ids import worker_of
+from lychee_rtc.cluster.ids import worker_id, worker_of
 from lychee_rtc.cluster.metrics import EntryMetrics
 from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward
 from lychee_rtc.cluster.registry import Registry, WorkerView
@@ -35,6 +35,7 @@ from lychee_rtc.server.app import CORS_EXPOSE, CORS_HEADERS, CORS_METHODS, SETTI
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256  # open connections from the entry to all workers together
+GROWTH_CHECK_S = 2.0  # how often workers: auto looks for nodes that joined
 
 
 class Entry:
@@ -46,9 +47,10 @@ class Entry:
         cluster = settings.cluster
         self.registry = Registry(self.metrics, cluster.poll_interval_s, cluster.status_timeout_s)
         self.registry.on_drained = self._retire
+        self.registry.http_alive = self._http_alive
         self.http: aiohttp.ClientSession | None = None
         self.started_ray = False
-        self._monitor: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
         cluster = self.settings.cluster
@@ -56,25 +58,55 @@ class Entry:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        cluster = self.settings.cluster
-        self.started_ray = await loop.run_in_executor(None, placement.connect, cluster)
-        resources = await loop.run_in_executor(None, placement.cluster_resources)
-        count = placement.worker_count(cluster, resources)
-        handles = await loop.run_in_executor(None, placement.spawn, self.settings, count)
-        for worker, handle in handles.items():
-            self.registry.add(worker, handle)
-        log.info("cluster entry: %d workers placed (%s)", count, ", ".join(handles))
+        self.started_ray = await loop.run_in_executor(None, placement.connect, self.settings.cluster)
         self.http = aiohttp.ClientSession(auto_decompress=False,
                                           connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
-        self._monitor = asyncio.create_task(self.registry.run(), name="cluster-monitor")
+        await self.place_workers()
+        self._tasks = [asyncio.create_task(self.registry.run(), name="cluster-monitor")]
+        if self.settings.cluster.workers == "auto":
+            self._tasks.append(asyncio.create_task(self._follow_cluster(), name="cluster-growth"))
+
+    async def place_workers(self) -> None:
+        """Place the workers the cluster has room for and that are not placed yet."""
+        loop = asyncio.get_running_loop()
+        cluster = self.settings.cluster
+        resources = await loop.run_in_executor(None, placement.cluster_resources)
+        count = placement.worker_count(cluster, resources)
+        if count == 0 and not self.registry.workers:
+            log.warning("cluster entry: no room for a worker yet (%s); waiting for nodes",
+                        placement.no_room_reason(cluster, resources))
+        new = [worker_id(i) for i in range(count) if worker_id(i) not in self.registry.workers]
+        if not new:
+            return
+        handles = await loop.run_in_executor(None, placement.spawn, self.settings, new)
+        for worker, handle in handles.items():
+            self.registry.add(worker, handle)
+        log.info("cluster entry: placed workers %s (%d in all)", ", ".join(new), len(self.registry.workers))
+
+    async def _follow_cluster(self) -> None:
+        """With workers: auto, nodes that join later get their workers too."""
+        while True:
+            await asyncio.sleep(GROWTH_CHECK_S)
+            try:
+                await self.place_workers()
+            except Exception:  # Ray briefly unreachable: the next check tries again
+                log.warning("cluster entry: cannot read the cluster's resources", exc_info=True)
 
     async def stop(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
+        for task in self._tasks:
+            task.cancel()
         if self.http is not None:
             await self.http.close()
         if self.started_ray:  # a Ray of our own ends with us, and its workers with it
             await asyncio.get_running_loop().run_in_executor(None, placement.shutdown)
+
+    async def _http_alive(self, url: str) -> str | None:
+        try:
+            async with self.http.get(url + "/healthz", timeout=self.timeout(self.settings.cluster.status_timeout_s)) as r:
+                await r.read()
+                return None if r.status == 200 else f"/healthz answered {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"/healthz: {type(exc).__name__}: {exc}"
 
     async def drain(self, view: WorkerView, deadline_s: float, restart: bool) -> None:
         view.restart_after_drain = restart

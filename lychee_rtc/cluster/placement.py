@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lychee_rtc.cluster.ids import worker_id
 from lychee_rtc.cluster.worker import WorkerServer
 from lychee_rtc.config import ClusterSettings, Settings
 
@@ -52,15 +51,15 @@ def worker_count(cluster: ClusterSettings, resources: dict[str, float]) -> int:
     if isinstance(cluster.workers, int):
         return cluster.workers
     if cluster.worker_gpus > 0:
-        count = int(resources.get("GPU", 0) // cluster.worker_gpus)
-        what = f"{cluster.worker_gpus:g} GPU per worker, the cluster has {resources.get('GPU', 0):g} GPUs"
-    else:
-        count = int(resources.get(cluster.worker_resource, 0))
-        what = (f"no {cluster.worker_resource!r} resource in the cluster (start CPU nodes with "
-                f"ray start --resources '{{\"{cluster.worker_resource}\": N}}')")
-    if count < 1:
-        raise PlacementError(f"cluster.workers is auto but there is room for no worker: {what}")
-    return count
+        return int(resources.get("GPU", 0) // cluster.worker_gpus)
+    return int(resources.get(cluster.worker_resource, 0))
+
+
+def no_room_reason(cluster: ClusterSettings, resources: dict[str, float]) -> str:
+    if cluster.worker_gpus > 0:
+        return f"{cluster.worker_gpus:g} GPU per worker, the cluster has {resources.get('GPU', 0):g} GPUs"
+    return (f"no {cluster.worker_resource!r} resource in the cluster (start CPU nodes with "
+            f"ray start --resources '{{\"{cluster.worker_resource}\": N}}')")
 
 
 def actor_options(cluster: ClusterSettings, worker: str) -> dict[str, Any]:
@@ -87,16 +86,13 @@ def worker_settings(settings: Settings) -> str:
     return Settings.model_validate(data).model_dump_json()
 
 
-def spawn(settings: Settings, count: int) -> dict[str, Any]:
-    """Worker id -> actor handle, for ``count`` workers (running ones are found by name)."""
+def spawn(settings: Settings, workers: list[str]) -> dict[str, Any]:
+    """Worker id -> actor handle for ``workers`` (running ones are found by name)."""
     ray = import_ray()
     actor_class = ray.remote(WorkerServer)
     profile = worker_settings(settings)
-    handles = {}
-    for index in range(count):
-        worker = worker_id(index)
-        handles[worker] = actor_class.options(**actor_options(settings.cluster, worker)).remote(worker, profile)
-    return handles
+    return {worker: actor_class.options(**actor_options(settings.cluster, worker)).remote(worker, profile)
+            for worker in workers}
 
 
 def respawn(settings: Settings, worker: str) -> Any:

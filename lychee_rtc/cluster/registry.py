@@ -81,6 +81,8 @@ class Registry:
         self.changed = asyncio.Condition()  # notified after every poll round (tests and drains wait on it)
         # Called with a worker whose drain finished: the entry kills (and maybe restarts) its actor.
         self.on_drained: Callable[[WorkerView], Awaitable[None]] | None = None
+        # Given a worker's URL, None when its HTTP port answers, else why not.
+        self.http_alive: Callable[[str], Awaitable[str | None]] | None = None
 
     def add(self, worker_id: str, handle: Any) -> WorkerView:
         view = self.workers[worker_id] = WorkerView(worker_id, handle)
@@ -136,6 +138,13 @@ class Registry:
     async def _poll(self, view: WorkerView) -> None:
         if view.state in ("dead", "stopped"):
             return
+        http_failure = None
+        if view.state in ("ready", "draining") and self.http_alive is not None and view.url is not None:
+            # The data path, checked apart from Ray: a killed process refuses the connection at once,
+            # while Ray only queues the status request until the process it restarts answers it.
+            http_failure = await self.http_alive(view.url)
+            if http_failure is not None:
+                self.mark_down(view, http_failure)
         if view.probe is None:
             view.probe = asyncio.ensure_future(_await_ref(view.handle.status.remote()))
         done, _ = await asyncio.wait({view.probe}, timeout=self.status_timeout_s)
@@ -145,11 +154,11 @@ class Registry:
         probe, view.probe = view.probe, None
         try:
             status = probe.result()
-        except Exception as exc:  # Ray's errors say why: the actor died for good, or could not start
+        except Exception as exc:  # Ray's errors say why: the actor died, or could not start
             self._failed(view, exc)
             return
         view.errors = 0
-        self._update(view, status)
+        self._update(view, status, serving=http_failure is None)
         if status["drained"] and view.state == "draining" and self.on_drained is not None:
             await self.on_drained(view)
 
@@ -168,7 +177,7 @@ class Registry:
         else:
             self.mark_down(view, reason)
 
-    def _update(self, view: WorkerView, status: dict[str, Any]) -> None:
+    def _update(self, view: WorkerView, status: dict[str, Any], serving: bool) -> None:
         previous = view.status
         if previous is not None and previous["boot"] != status["boot"]:
             view.restarts += 1
@@ -178,6 +187,8 @@ class Registry:
                         view.worker_id, previous["pid"], status["pid"], previous["active"])
         view.status = status
         view.placed = 0
+        if not serving and previous is not None and previous["boot"] == status["boot"]:
+            return  # the same process, alive for Ray, but its HTTP port fails: it stays down
         if status["draining"]:
             state = "draining"
         elif status["ready"]:
