@@ -159,7 +159,6 @@ class RayCluster:
     address: str = ""
     node_ips: list[str] = field(default_factory=list)
     processes: list[subprocess.Popen] = field(default_factory=list)
-    _utils_cluster: object = None
 
     @classmethod
     def start(cls, workdir: Path, use_namespaces: bool) -> "RayCluster":
@@ -199,15 +198,20 @@ class RayCluster:
                 _wait_port(head_ip, RAY_PORT, time.monotonic() + 120, process, log)
 
     def _start_shared(self) -> None:
-        from ray.cluster_utils import Cluster
-
-        os.environ.update(_env())  # the nodes are children of this process
-        args = {"num_cpus": 1, "resources": {WORKER_RESOURCE: 1}, "object_store_memory": OBJECT_STORE_BYTES}
-        cluster = Cluster(initialize_head=True, connect=False, head_node_args={**args, "include_dashboard": False})
-        cluster.add_node(**args)
-        self._utils_cluster = cluster
-        self.address = cluster.address
-        ip = cluster.address.split(":")[0]
+        # Ray's cluster utilities, in a process of their own: Ray reads its settings (the token
+        # authentication above) when it is imported, so they must be in place before that.
+        log = self.workdir / "ray-nodes.log"
+        address_file = self.workdir / "ray-address"
+        process = subprocess.Popen([sys.executable, __file__, str(address_file)], stdout=log.open("w"),
+                                   stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+        self.processes.append(process)
+        deadline = time.monotonic() + 180
+        while not address_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray nodes did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        self.address = address_file.read_text().strip()
+        ip = self.address.split(":")[0]
         self.node_ips = [ip, ip]
 
     def exec_prefix(self) -> list[str]:
@@ -217,8 +221,6 @@ class RayCluster:
     def stop(self) -> None:
         for process in reversed(self.processes):
             stop_process_group(process)
-        if self._utils_cluster is not None:
-            self._utils_cluster.shutdown()
         if self.namespaces is not None:
             self.namespaces.delete()
             shutil.rmtree(f"/tmp/lrt-{self.namespaces.tag}", ignore_errors=True)
@@ -239,3 +241,25 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = 10.0) -> None
     except ProcessLookupError:
         pass
     process.wait(10)
+
+
+def _serve_shared_nodes(address_file: Path) -> None:
+    """Two Ray nodes on this machine's addresses until interrupted; writes the head's address."""
+    from ray.cluster_utils import Cluster
+
+    args = {"num_cpus": 1, "resources": {WORKER_RESOURCE: 1}, "object_store_memory": OBJECT_STORE_BYTES}
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={**args, "include_dashboard": False})
+    cluster.add_node(**args)
+    cluster.wait_for_nodes()
+    address_file.with_suffix(".tmp").write_text(cluster.address)
+    address_file.with_suffix(".tmp").rename(address_file)
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    _serve_shared_nodes(Path(sys.argv[1]))
