@@ -110,7 +110,8 @@ async def readyz(entry: Entry) -> tuple[int, dict[str, Any]]:
 
 
 async def workers(entry: Entry) -> dict[str, dict[str, Any]]:
-    _, _, data, _ = await _get(entry.url + "/v1/cluster/workers")
+    status, headers, data, raw = await _get(entry.url + "/v1/cluster/workers")
+    check_response("/v1/cluster/workers", "GET", status, headers, raw)
     return {w["worker_id"]: w for w in data["workers"]}
 
 
@@ -343,14 +344,16 @@ async def test_drain_takes_no_new_calls_ends_after_the_deadline_and_restarts(ent
     try:
         drained, other = worker_of(a.session_id), worker_of(b.session_id)
         async with aiohttp.ClientSession() as http:
-            for body, code in (({"deadline_s": -1}, 400), ({"restart": "yes"}, 400), ({"x": 1}, 400)):
-                async with http.post(f"{entry.url}/v1/cluster/workers/{drained}/drain", json=body) as r:
+            path = "/v1/cluster/workers/{worker_id}/drain"
+            for worker, body, code in ((drained, {"deadline_s": -1}, 400), (drained, {"restart": "yes"}, 400),
+                                       (drained, {"x": 1}, 400), ("w7", {}, 404)):
+                async with http.post(f"{entry.url}/v1/cluster/workers/{worker}/drain", json=body) as r:
                     assert r.status == code, await r.text()
-            async with http.post(f"{entry.url}/v1/cluster/workers/w7/drain", json={}) as r:
-                assert r.status == 404
+                    check_response(path, "POST", r.status, r.headers, await r.read())
             async with http.post(f"{entry.url}/v1/cluster/workers/{drained}/drain",
                                  json={"deadline_s": 2, "restart": True}) as r:
                 assert r.status == 202, await r.text()
+                check_response(path, "POST", r.status, r.headers, await r.read())
                 assert (await r.json())["state"] == "draining"
         c = await call(entry)  # the draining worker takes no new call
         late.append(c)

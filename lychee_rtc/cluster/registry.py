@@ -139,7 +139,7 @@ class Registry:
         if view.state in ("dead", "stopped"):
             return
         http_failure = None
-        if view.state in ("ready", "draining") and self.http_alive is not None and view.url is not None:
+        if self.http_alive is not None and view.url is not None:
             # The data path, checked apart from Ray: a killed process refuses the connection at once,
             # while Ray only queues the status request until the process it restarts answers it.
             http_failure = await self.http_alive(view.url)
