@@ -15,6 +15,7 @@ from typing import Any
 BENCHES: dict[str, tuple[str, str]] = {
     "latency": ("lychee_rtc.bench.latency", "mouth-to-ear latency with chirps against the loopback engine"),
     "load": ("lychee_rtc.bench.load", "N concurrent calls; the largest N within a latency budget"),
+    "signaling": ("lychee_rtc.bench.signaling", "offer -> answer time of running servers (a cluster entry, a worker)"),
     "lychee-step": ("lychee_rtc.bench.lychee_step", "per-window step time of the Lychee-FD runner (tiny model, CPU)"),
     "vocoder": ("lychee_rtc.bench.token2wav_bench", "Token2Wav streaming time and RTF per hop at C1/C2/C4"),
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),
