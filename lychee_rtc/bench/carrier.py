@@ -7,7 +7,7 @@ the carrier's playout buffer: audio it receives is "played" in real time from it
 buffer, echoing pending marks at once where the carrier does (Twilio, Telnyx) or dropping them.
 
 The carrier's frames come from a spec (a dict, e.g. one of the JSON fixtures in ``tests/``) holding
-templates: strings ``"$name"`` are filled in (``"#name"`` as a number) and, in the templates of
+templates: ``$name`` in a string is filled in (a whole ``"#name"`` as a number) and, in the templates of
 what the server sends (``outbound``), ``"$name"`` captures whatever is there; everything else must
 match exactly, so a frame of the wrong shape is caught.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,14 +28,18 @@ import numpy as np
 from lychee_rtc.telephony.g711 import g711_decode, g711_encode, pcm16_decode, pcm16_encode
 
 
+PLACEHOLDER = re.compile(r"\$([A-Za-z_]+)")
+
+
 def fill(template: Any, values: dict[str, Any]) -> Any:
     if isinstance(template, dict):
         return {k: fill(v, values) for k, v in template.items()}
     if isinstance(template, list):
         return [fill(v, values) for v in template]
-    if isinstance(template, str) and template[:1] in ("$", "#") and template[1:] in values:
-        value = values[template[1:]]
-        return value if template[0] == "#" else str(value)
+    if isinstance(template, str):
+        if template[:1] == "#" and template[1:] in values:
+            return values[template[1:]]
+        return PLACEHOLDER.sub(lambda m: str(values[m.group(1)]) if m.group(1) in values else m.group(0), template)
     return template
 
 
