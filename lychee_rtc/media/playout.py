@@ -67,6 +67,11 @@ class PlayoutBuffer:
         return bool(self._segments)
 
     @property
+    def ending(self) -> bool:
+        """An end-of-response marker is queued: what is left will not grow into a full frame."""
+        return any(seg.end for seg in self._segments)
+
+    @property
     def playing(self) -> tuple[str, int] | None:
         """(response_id, samples played so far) of the response currently audible."""
         if self._playing is None:
@@ -209,6 +214,10 @@ class EpochPlayout:
     @property
     def queued(self) -> bool:
         return self._buffer.queued
+
+    @property
+    def ending(self) -> bool:
+        return self._buffer.ending
 
     def write(self, epoch: int, response_id: str, pcm: np.ndarray) -> bool:
         if epoch != self._buffer.epoch:

@@ -340,5 +340,7 @@ class SessionManager:
         while self.calls or self._reserved:
             for session_id in list(self.calls):
                 await self.close(session_id, reason)
-            if self._reserved:  # offers still being answered: let them finish, then close them too
+            if self._reserved or self.calls:
+                # Offers still being answered, or calls already closing on their own (a carrier
+                # socket draining): let them finish, then close what is left.
                 await asyncio.sleep(0.05)

@@ -100,16 +100,18 @@ class TelephonyEndpoint:
         call.start(ws)
         log.info("session %s: %s call %s started (%s)", call.session.id, dialect.name, started.call_id,
                  started.audio.label)
+        ended: str | None = None
         try:
             async for msg in ws:
                 if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    if not call.handle(msg.data):
+                    ended = call.handle(msg.data)
+                    if ended is not None:
                         break
                 elif msg.type == WSMsgType.ERROR:
                     break
         finally:
             if not call.session.closed:
-                await call.session.close("carrier_closed")
+                await call.session.close(ended or "carrier_closed")
             await call.outbox.done.wait()
         return ws
 

@@ -96,10 +96,10 @@ class CarrierCall:
 
     # --- carrier frames --------------------------------------------------------------------------
 
-    def handle(self, raw: str | bytes) -> bool:
-        """One frame from the carrier; False when the call is over (hang-up, too many bad frames)."""
+    def handle(self, raw: str | bytes) -> str | None:
+        """One frame from the carrier; the reason to end the call when it is over (hang-up, bad frames)."""
         if self.session.closed:
-            return False
+            return self.session.close_reason or "closed"
         try:
             event = self.dialect.parse(raw)
             if isinstance(event, AudioIn):
@@ -110,8 +110,7 @@ class CarrierCall:
                 self.counters.digits += 1
                 self.session.push_dtmf(event.digit)
             elif isinstance(event, StreamStopped):
-                self.end("hangup")
-                return False
+                return "hangup"
             elif isinstance(event, PlaybackCleared):
                 self.counters.clears_acknowledged += 1
             elif isinstance(event, CarrierReported):
@@ -125,15 +124,14 @@ class CarrierCall:
             self.counters.bad_frames += 1
             self._report("invalid_carrier_frame", f"{self.dialect.name}: {exc}")
             if self.counters.bad_frames >= self.settings.max_bad_frames:
-                self.end("malformed_frames")
-                return False
-        return True
+                return "malformed_frames"
+        return None
 
     def _report(self, code: str, message: str, error_type: str = "invalid_request_error") -> None:
         self.session.emit("error", error=error_body(ProtocolError(code, message, error_type=error_type)))
 
     def end(self, reason: str) -> None:
-        """Close the session (and through it this call) without waiting here."""
+        """Close the session (and through it this call) from outside the carrier's frames."""
         if not self.session.closed:
             self.tasks.append(asyncio.get_running_loop().create_task(self.session.close(reason)))
 

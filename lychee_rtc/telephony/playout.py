@@ -76,6 +76,7 @@ class CarrierPlayout:
         self._mark_every = max(self.frame_samples, settings.mark_interval_ms * rate // 1000)
         self._anchor: float | None = None  # wall time of stream frame 0 of the current run of audio
         self._index = 0
+        self._short_since: float | None = None  # when the queue was found short of a frame mid-response
         self._sent_position = 0  # outbound stream offset after the last frame sent
         self._confirmed_position = 0  # ... up to which the carrier has confirmed playout
         self._since_mark = 0
@@ -216,8 +217,17 @@ class CarrierPlayout:
             if due > now:
                 await asyncio.sleep(due - now)
                 continue  # a cut may have happened meanwhile: look again
-            if now - due > MAX_CATCH_UP_S + self._lead_s:
-                self._anchor = now - self._index * frame_s
+            if self.playout.depth_samples < self.frame_samples and not self.playout.ending:
+                # Mid-response and short of a frame: the engine is about to deliver (a live stream
+                # arrives frame by frame). Wait for it a frame's time before sending a padded frame.
+                if self._short_since is None:
+                    self._short_since = now
+                if now < self._short_since + frame_s:
+                    await self._wait(self._audio_arrived, self._short_since + frame_s - now)
+                    continue
+            self._short_since = None
+            if now - due > MAX_CATCH_UP_S + self._lead_s:  # behind by more than the lead: start afresh
+                self._anchor = now - self._lead_s - self._index * frame_s
             self._send_frame()
             self._index += 1
 
