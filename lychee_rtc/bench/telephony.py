@@ -194,6 +194,8 @@ async def _main(args: argparse.Namespace) -> int:
         report = await measure(args.url, caller, args.twilio_token)
     else:
         env = {"LYCHEE_RTC_TELEPHONY__TWILIO__AUTH_TOKEN": args.twilio_token}
+        if args.lead_ms is not None:
+            env["LYCHEE_RTC_TELEPHONY__LEAD_MS"] = str(args.lead_ms)
         async with spawned_server(args.config, env) as (url, pid):
             report = await measure(url, caller, args.twilio_token, server_pid=pid)
     print(format_report(report))
@@ -213,5 +215,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Twilio auth token the server checks signatures with (set on a spawned server)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="what the synthesised caller says (espeak-ng)")
     p.add_argument("--wav", help="a recorded caller (16-bit PCM WAV, any rate) instead of synthesised speech")
+    p.add_argument("--lead-ms", type=int, help="telephony.lead_ms of the spawned server (the carrier's cushion)")
     p.add_argument("--json", help="also write the report as JSON here")
     p.set_defaults(func=_main)

@@ -154,7 +154,8 @@ class TelephonyEndpoint:
         options = SessionOptions()
         async with self.manager.admission(options) as slot:
             call = CarrierCall.create(lambda sink: self.manager.new_session(slot, sink, options), dialect, started,
-                                      self.settings.telephony, caps.output_rate, self.settings.session.playout_max_s)
+                                      self.settings.telephony, caps.output_rate, self.settings.session.playout_max_s,
+                                      live=caps.live_passthrough)
             self.manager.register(call)
             return call
 

@@ -75,12 +75,12 @@ class CarrierCall:
 
     @classmethod
     def create(cls, session_factory, dialect: Dialect, started: StreamStarted, settings: TelephonySettings,
-               in_rate: int, max_buffer_s: float) -> "CarrierCall":
+               in_rate: int, max_buffer_s: float, live: bool = False) -> "CarrierCall":
         """``session_factory(sink)`` makes the session that will play into the call's playout."""
         outbox = Outbox(OUTBOX_LIMIT)
         holder: dict[str, CarrierCall] = {}
         playout = CarrierPlayout(in_rate, dialect, outbox, settings, max_buffer_s,
-                                 on_stalled=lambda: holder["call"].end("carrier_not_reading"))
+                                 on_stalled=lambda: holder["call"].end("carrier_not_reading"), live=live)
         session = session_factory(playout)
         playout.listener = session
         call = cls(session, dialect, started, playout, CarrierUplink(session, started.audio), outbox, settings)

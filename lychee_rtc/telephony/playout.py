@@ -29,8 +29,8 @@ from lychee_rtc.telephony.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
-# Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
-MAX_CATCH_UP_S = 0.2
+# A passthrough engine (loopback) keeps at most this much queued beyond the frame being sent.
+LIVE_MARGIN_S = 0.003
 # Names of marks a cut discarded, remembered so their echoes are not taken as playout.
 CUT_MARKS_REMEMBERED = 1024
 
@@ -46,6 +46,7 @@ class CarrierPlayoutCounters:
     held_for_playout: int = 0  # times sending waited for the caller's playout to catch up
     marks_timed_out: int = 0
     stale_chunks: int = 0
+    trimmed_samples: int = 0  # passthrough engines: standing delay dropped
 
 
 @dataclass
@@ -60,7 +61,7 @@ class _PendingMark:
 class CarrierPlayout:
     def __init__(self, in_rate: int, dialect: Dialect, outbox: Outbox, settings: TelephonySettings,
                  max_buffer_s: float, clock: Callable[[], float] = time.monotonic,
-                 on_stalled: Callable[[], None] | None = None) -> None:
+                 on_stalled: Callable[[], None] | None = None, live: bool = False) -> None:
         self.dialect = dialect
         self.outbox = outbox
         self.settings = settings
@@ -74,8 +75,9 @@ class CarrierPlayout:
         self._lead_s = settings.lead_ms / 1000.0
         self._max_ahead = max(self.frame_samples * 2, settings.max_ahead_ms * rate // 1000)
         self._mark_every = max(self.frame_samples, settings.mark_interval_ms * rate // 1000)
-        self._anchor: float | None = None  # wall time of stream frame 0 of the current run of audio
-        self._index = 0
+        self._carrier_until = 0.0  # when the carrier will have played everything sent (estimate)
+        self.live = live
+        self._live_margin = int(LIVE_MARGIN_S * rate)
         self._short_since: float | None = None  # when the queue was found short of a frame mid-response
         self._sent_position = 0  # outbound stream offset after the last frame sent
         self._confirmed_position = 0  # ... up to which the carrier has confirmed playout
@@ -149,7 +151,7 @@ class CarrierPlayout:
         self._last_response = None
         self._since_mark = 0
         self._confirmed_position = self._sent_position
-        self._anchor = None
+        self._carrier_until = self._clock()  # the flush empties the carrier's buffer
         self._mark_arrived.set()
         return CutReport(report.old_epoch, response_id, played, report.discarded_samples + max(0, unconfirmed),
                          report.sample_offset, report.rate)
@@ -194,11 +196,16 @@ class CarrierPlayout:
         return self.playout.queued or self.playout.playing is not None
 
     async def run(self) -> None:
-        """The pacer task: sends frames while there is audio, idles (sending nothing) otherwise."""
+        """The pacer task: sends frames while there is audio, idles (sending nothing) otherwise.
+
+        Pacing follows an estimate of the carrier's buffer: it plays in real time from what it
+        receives, so a frame may leave once the carrier holds less than the lead. After a stall the
+        carrier has played its buffer out and the lead is sent again; a burst of late audio is never
+        sent faster than that, so no delay builds up at the carrier.
+        """
         frame_s = self.frame_samples / self.dialect.audio.rate
         while True:
             if not self._has_audio():
-                self._anchor = None
                 await self._wait(self._audio_arrived, self._mark_deadline())
                 self._check_mark_timeout()
                 continue
@@ -207,13 +214,9 @@ class CarrierPlayout:
                 self.counters.held_for_playout += 1
                 await self._wait(self._mark_arrived, self._mark_deadline())
                 self._check_mark_timeout()
-                if self._anchor is not None:  # the caller's playout sets the pace now, not our clock
-                    self._anchor = self._clock() - self._index * frame_s
                 continue
             now = self._clock()
-            if self._anchor is None:
-                self._anchor, self._index = now - self._lead_s, 0
-            due = self._anchor + self._index * frame_s
+            due = max(self._carrier_until, now) - self._lead_s
             if due > now:
                 await asyncio.sleep(due - now)
                 continue  # a cut may have happened meanwhile: look again
@@ -226,10 +229,12 @@ class CarrierPlayout:
                     await self._wait(self._audio_arrived, self._short_since + frame_s - now)
                     continue
             self._short_since = None
-            if now - due > MAX_CATCH_UP_S + self._lead_s:  # behind by more than the lead: start afresh
-                self._anchor = now - self._lead_s - self._index * frame_s
+            if self.live:  # a passthrough engine: what queued up behind a stall is standing delay
+                excess = self.playout.depth_samples - self.frame_samples - self._live_margin
+                if excess > 0:
+                    self.counters.trimmed_samples += self.playout.discard(excess)
+            self._carrier_until = max(self._carrier_until, now) + frame_s
             self._send_frame()
-            self._index += 1
 
     async def _wait(self, event: asyncio.Event, timeout: float | None) -> None:
         event.clear()
@@ -264,13 +269,12 @@ class CarrierPlayout:
             return
         self._finished.extend(finished)
         if self._since_mark >= self._mark_every or finished or not self._has_audio():
-            self._send_mark(epoch, frame_s=self.frame_samples / self.dialect.audio.rate)
+            self._send_mark(epoch)
 
-    def _send_mark(self, epoch: int, frame_s: float) -> None:
+    def _send_mark(self, epoch: int) -> None:
         self._mark_seq += 1
         name = f"lychee-{self._mark_seq}"
-        assert self._anchor is not None
-        due = self._anchor + (self._index + 1) * frame_s + self._lead_s
+        due = self._carrier_until  # when the audio before this mark should have played
         self._pending[name] = _PendingMark(epoch, self._sent_position, due, dict(self._progress), self._finished)
         self._finished = []
         self._since_mark = 0
