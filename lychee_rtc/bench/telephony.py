@@ -28,7 +28,6 @@ import numpy as np
 from lychee_rtc.bench.carrier import CarrierEmulator
 from lychee_rtc.bench.probes import matched_filter, percentile
 from lychee_rtc.bench.server_process import cpu_seconds, spawned_server
-from lychee_rtc.config import REPO_ROOT
 from lychee_rtc.pcm import PcmResampler
 
 RATE = 8000
@@ -209,7 +208,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("telephony", help="mouth-to-ear of a phone call through /v1/telephony/ws (loopback engine)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (default: start one with --config)")
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "loopback.yaml"),
+    p.add_argument("--config", default="loopback",
                    help="profile for the spawned server (default: configs/loopback.yaml)")
     p.add_argument("--twilio-token", default="bench-twilio-auth-token",
                    help="Twilio auth token the server checks signatures with (set on a spawned server)")
