@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import aiohttp
+import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
@@ -28,12 +29,14 @@ pytest.importorskip("ray", reason="the cluster tests need the cluster extra (Ray
 from cluster_topology import REPO, RayCluster, namespaces_possible, ray_env, stop_process_group  # noqa: E402
 from conftest import free_port, wait_until  # noqa: E402
 from contract import check_response  # noqa: E402
+from telephony_support import CREDENTIALS, EventStream, carrier  # noqa: E402
 
 from lychee_rtc.bench.client import RtcClient  # noqa: E402
 from lychee_rtc.cluster.ids import worker_of  # noqa: E402
 
 SECOND = 48000  # client-side samples per second
 SLOTS_PER_WORKER = 2
+TELNYX_TOKEN = CREDENTIALS["telnyx"]["token"]
 
 
 @dataclass
@@ -55,6 +58,7 @@ server: {{host: "{host}", port: {port}}}
 rtc: {{ice_servers: [], jitter_buffer: lowlatency}}
 session: {{max_sessions: {SLOTS_PER_WORKER}, connect_timeout_s: 60, retry_after_s: 3}}
 engine: {{name: echo, echo: {{mode: loopback, loopback_window_ms: 20}}}}
+telephony: {{telnyx: {{token: "{TELNYX_TOKEN}"}}}}
 cluster:
   address: "{address}"
   namespace: {namespace}
@@ -373,3 +377,36 @@ async def test_drain_takes_no_new_calls_ends_after_the_deadline_and_restarts(ent
         await check_call_on(entry, d, fresh)
     finally:
         await close_all(a, b, *late)
+
+
+async def test_a_phone_call_through_the_entry_is_relayed_to_a_worker_and_its_event_stream_routed(entry: Entry):
+    """A carrier's media stream starts a call on a worker; its event stream reaches the same worker."""
+    by_id = await settled(entry)
+    phone = carrier(entry.url, "telnyx")
+    events: EventStream | None = None
+    try:
+        await phone.connect()
+
+        async def telephony_session():
+            _, _, data, _ = await _get(entry.url + "/v1/sessions")
+            return next((x for x in data["sessions"] if x.get("transport") == "telephony"), None)
+        session = await wait_for(entry, telephony_session, "the phone call's session on a worker", timeout=60)
+        assert worker_of(session["session_id"]) in by_id
+        events = EventStream(entry.url, session["session_id"])
+        await events.connect()
+        created = await events.wait("session.created", timeout=30)  # replayed from the call's start
+        assert created["session"]["id"] == session["session_id"]
+        await phone.play(np.zeros(phone.rate, np.float32))
+        await wait_until(lambda: len(phone.heard()) >= phone.rate // 2, 60, "loopback audio back to the carrier")
+        await phone.hang_up()
+        closed = await events.wait("session.closed", timeout=30)
+        assert closed["reason"] in ("hangup", "carrier_closed")
+        await asyncio.wait_for(phone.closed.wait(), 30)
+        assert phone.log.close_code == 1000  # the worker's close code, passed on by the entry
+        async with aiohttp.ClientSession() as http:  # a call named by the carrier's id cannot be routed
+            async with http.get(f"{entry.url}/v1/telephony/calls/not-a-session/events") as r:
+                assert r.status == 404
+    finally:
+        if events is not None:
+            await events.close()
+        await phone.close()

@@ -27,7 +27,7 @@ from lychee_rtc import __version__
 from lychee_rtc.cluster import placement
 from lychee_rtc.cluster.ids import worker_id, worker_of
 from lychee_rtc.cluster.metrics import EntryMetrics
-from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward
+from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, open_websocket, relay_websocket
 from lychee_rtc.cluster.registry import Registry, WorkerView
 from lychee_rtc.config import Settings
 from lychee_rtc.server.app import CORS_EXPOSE, CORS_HEADERS, CORS_METHODS, SETTINGS_KEY, WHIP_PATCH_TYPE, index
@@ -163,6 +163,8 @@ async def cors(request: web.Request, handler: Callable[[web.Request], Awaitable[
             if exc.status < 400 or exc.content_type == "application/json":
                 raise
             response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+    if response.prepared:  # a relayed WebSocket: its handshake is long gone
+        return response
     if allow is not None and "Access-Control-Allow-Origin" not in response.headers:
         response.headers["Access-Control-Allow-Origin"] = allow
         response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE
@@ -228,6 +230,38 @@ async def place(request: web.Request) -> web.Response:
     return _unavailable(entry, "server_full", "all sessions are in use; retry later")
 
 
+async def place_websocket(request: web.Request) -> web.StreamResponse:
+    """A carrier's media stream starts a call: to the least-loaded worker, relayed both ways.
+
+    Unlike WebRTC media, a carrier's audio is in the WebSocket itself, so it passes through the entry.
+    """
+    entry = request.app[ENTRY_KEY]
+    registry, metrics = entry.registry, entry.metrics
+    tried: set[str] = set()
+    while (view := registry.choose(tried)) is not None:
+        tried.add(view.worker_id)
+        view.pending += 1
+        try:
+            upstream = await open_websocket(entry.http, view.url, request, entry.settings.cluster.forward_timeout_s)
+        except WorkerUnreachable as exc:
+            registry.mark_down(view, str(exc))
+            metrics.offers.labels("unreachable").inc()
+            continue
+        except WorkerFailed as exc:
+            metrics.offers.labels("failed").inc()
+            return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+        finally:
+            view.pending -= 1
+        if isinstance(upstream, web.Response):
+            metrics.offers.labels("refused").inc()
+            return upstream
+        view.placed += 1
+        metrics.offers.labels("placed").inc()
+        return await relay_websocket(request, upstream)
+    metrics.offers.labels("cluster_full").inc()
+    return _unavailable(entry, "server_full", "all sessions are in use; retry later")
+
+
 # --- follow-ups ------------------------------------------------------------------------------------
 
 
@@ -253,6 +287,26 @@ async def routed(request: web.Request) -> web.Response:
         return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
     entry.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
     return response
+
+
+async def routed_websocket(request: web.Request) -> web.StreamResponse:
+    """A WebSocket about one session (a phone call's event stream): to the worker in the session id."""
+    entry = request.app[ENTRY_KEY]
+    session_id = request.match_info["session_id"]
+    view = entry.registry.workers.get(worker_of(session_id) or "")
+    if view is None or view.url is None or view.state in ("dead", "stopped"):
+        return _error(404, "session_not_found", f"no session {session_id!r} (through the cluster entry, "
+                                                "name a call by its session id)")
+    try:
+        upstream = await open_websocket(entry.http, view.url, request, entry.settings.cluster.forward_timeout_s)
+    except WorkerUnreachable as exc:
+        entry.registry.mark_down(view, str(exc))
+        return _unavailable(entry, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
+    except WorkerFailed as exc:
+        return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+    if isinstance(upstream, web.Response):
+        return upstream
+    return await relay_websocket(request, upstream)
 
 
 async def list_sessions(request: web.Request) -> web.Response:
@@ -372,6 +426,10 @@ def create_entry_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{session_id}", routed)
     app.router.add_delete("/v1/sessions/{session_id}", routed)
+    if settings.telephony.enabled:
+        app.router.add_get("/v1/telephony/ws", place_websocket)
+        app.router.add_get("/v1/telephony/ws/{provider}", place_websocket)
+        app.router.add_get("/v1/telephony/calls/{session_id}/events", routed_websocket)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
