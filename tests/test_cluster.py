@@ -65,7 +65,7 @@ cluster:
   workers: auto
   worker_cpus: 0
   poll_interval_s: 0.25
-  status_timeout_s: 1.0
+  status_timeout_s: 3.0
 """)
 
 

@@ -146,6 +146,17 @@ async def test_a_worker_whose_http_port_fails_stays_down_while_ray_still_answers
     assert view.state == "ready"
 
 
+async def test_a_worker_still_loading_its_engine_is_starting_not_down():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [None]  # its constructor (the engine start) has not returned yet
+    await registry._poll(view)
+    await registry._poll(view)
+    assert view.state == "starting" and registry.capacity == 0
+    view.probe.cancel()
+
+
 async def test_a_worker_ray_gave_up_on_is_dead():
     registry = _registry()
     handle = _Handle()

@@ -149,7 +149,8 @@ class Registry:
             view.probe = asyncio.ensure_future(_await_ref(view.handle.status.remote()))
         done, _ = await asyncio.wait({view.probe}, timeout=self.status_timeout_s)
         if not done:
-            self.mark_down(view, f"no status within {self.status_timeout_s:g} s")
+            if view.status is not None:  # one that never answered is still starting (loading a model)
+                self.mark_down(view, f"no status within {self.status_timeout_s:g} s")
             return
         probe, view.probe = view.probe, None
         try:
