@@ -9,7 +9,6 @@ so every offer finds a free slot.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass

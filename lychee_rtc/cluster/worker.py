@@ -139,12 +139,6 @@ class WorkerServer:
         await manager.close_all(DRAIN_REASON)
         self.drained = True
 
-    def stop(self) -> None:
-        """Close every call and the HTTP port (an orderly end; Ray's kill follows)."""
-        if self._runner is not None:
-            self._call(self._runner.cleanup(), CALL_TIMEOUT_S * 3)
-            self._runner = None
-
 
 def _ray_node_ip() -> str:
     import ray
