@@ -372,6 +372,8 @@ async def test_drain_takes_no_new_calls_ends_after_the_deadline_and_restarts(ent
             w = (await workers(entry))[drained]
             return w["state"] == "ready" and w["boot"] != by_id[drained]["boot"] and w
         fresh = await wait_for(entry, replaced, f"worker {drained} to restart after its drain", timeout=180)
+        assert fresh["restarts"] == by_id[drained]["restarts"] + 1
+        assert fresh["lost_sessions"] == by_id[drained]["lost_sessions"]  # its calls ended, none was lost
         d = await call(entry)  # the other worker is full (b and c)
         late.append(d)
         await check_call_on(entry, d, fresh)

@@ -117,6 +117,7 @@ class Entry:
     async def _retire(self, view: WorkerView) -> None:
         """A drained worker: Ray replaces its process (rolling restart) or it stops for good."""
         restart = view.restart_after_drain and self.settings.cluster.max_restarts != 0
+        view.retired_boot = view.status["boot"] if view.status else None
         await asyncio.get_running_loop().run_in_executor(None, placement.kill, view.handle, restart)
         view.state = "starting" if restart else "stopped"
         view.reason = "restarting after drain" if restart else "drained"

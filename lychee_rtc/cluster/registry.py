@@ -41,6 +41,7 @@ class WorkerView:
     restart_after_drain: bool = True
     probe: Any = None  # the status request in flight (one at a time, never piled up)
     errors: int = 0  # status requests in a row that failed at once
+    retired_boot: str | None = None  # the process a drain ended (its late answers are ignored)
 
     @property
     def url(self) -> str | None:
@@ -139,7 +140,7 @@ class Registry:
         if view.state in ("dead", "stopped"):
             return
         http_failure = None
-        if self.http_alive is not None and view.url is not None:
+        if self.http_alive is not None and view.url is not None and view.state != "starting":
             # The data path, checked apart from Ray: a killed process refuses the connection at once,
             # while Ray only queues the status request until the process it restarts answers it.
             http_failure = await self.http_alive(view.url)
@@ -149,7 +150,8 @@ class Registry:
             view.probe = asyncio.ensure_future(_await_ref(view.handle.status.remote()))
         done, _ = await asyncio.wait({view.probe}, timeout=self.status_timeout_s)
         if not done:
-            if view.status is not None:  # one that never answered is still starting (loading a model)
+            # One that has not answered since it was (re)started is still starting (loading a model).
+            if view.state != "starting":
                 self.mark_down(view, f"no status within {self.status_timeout_s:g} s")
             return
         probe, view.probe = view.probe, None
@@ -159,6 +161,8 @@ class Registry:
             self._failed(view, exc)
             return
         view.errors = 0
+        if status["boot"] == view.retired_boot:
+            return  # the drained process, answering before its kill took effect
         self._update(view, status, serving=http_failure is None)
         if status["drained"] and view.state == "draining" and self.on_drained is not None:
             await self.on_drained(view)
