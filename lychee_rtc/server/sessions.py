@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.exceptions import OperationError
@@ -20,6 +21,7 @@ from aiortc.sdp import candidate_from_sdp
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine
+from lychee_rtc.media.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_event, install_dtmf_tap
 from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
@@ -53,6 +55,8 @@ class RtcCall:
     whip: bool = False
     has_audio: bool = False
     folded: dict[str, int] = field(default_factory=dict)  # counters already added to Prometheus
+    # Called with the reason once the call is torn down (a gateway hangs up its leg here).
+    on_closed: list[Callable[[str], Awaitable[None] | None]] = field(default_factory=list)
 
     def snapshot(self) -> dict:
         snap = self.session.snapshot()
@@ -78,6 +82,8 @@ class SessionManager:
         self.calls: dict[str, RtcCall] = {}
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
+        # Offered after the voice codecs, so that callers through a SIP gateway can send keys.
+        self._telephone_event = enable_telephone_event()
 
     @property
     def capacity(self) -> int:
@@ -96,38 +102,40 @@ class SessionManager:
     # --- offer / answer ----------------------------------------------------------------------------
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
-                     metrics: bool = False) -> RtcCall:
+                     metrics: bool = False, origin: dict[str, Any] | None = None) -> RtcCall:
         validate_offer(offer_sdp)
         if self.closing or self.free <= 0:
             self.metrics.sessions_refused.inc()
             raise ServerFull(self.settings.session.retry_after_s)
         self._reserved += 1
         try:
-            return await self._create(offer_sdp, options or SessionOptions(), whip, metrics)
+            return await self._create(offer_sdp, options or SessionOptions(), whip, metrics, origin)
         finally:
             self._reserved -= 1
 
-    async def _create(self, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
+    async def _create(self, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool,
+                      origin: dict[str, Any] | None) -> RtcCall:
         try:
             slot = await self.engine.open(options)
         except CapacityError:
             self.metrics.sessions_refused.inc()
             raise ServerFull(self.settings.session.retry_after_s) from None
         try:
-            return await self._connect(slot, offer_sdp, options, whip, metrics)
+            return await self._connect(slot, offer_sdp, options, whip, metrics, origin)
         except BaseException:
             # Whatever failed (bad SDP, aiortc, cancellation at shutdown), the slot goes back.
             await slot.close()
             raise
 
-    async def _connect(self, slot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
+    async def _connect(self, slot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool,
+                       origin: dict[str, Any] | None) -> RtcCall:
         caps = self.engine.capabilities
         pc = RTCPeerConnection(self.rtc_configuration())
         track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
                                 live=caps.live_passthrough)
         session_id = "sess_" + secrets.token_hex(8)
         session = DuplexSession(session_id, self.settings.session, slot, track, engine_name=caps.name,
-                                observer=self.metrics, options=options, metrics_enabled=metrics)
+                                observer=self.metrics, options=options, metrics_enabled=metrics, origin=origin)
         track.listener = session
         call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip)
         self._wire(call)
@@ -151,7 +159,7 @@ class SessionManager:
                 raise
             raise SdpError(f"cannot use SDP offer: {exc}") from None
         codec = negotiated_audio_codec(pc.localDescription.sdp)
-        if codec is None:
+        if codec is None or codec[0].lower() == TELEPHONE_EVENT.split("/")[1]:
             await self._abandon(call)
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True)
@@ -168,8 +176,9 @@ class SessionManager:
 
     def _codec_preferences(self) -> list:
         available = {c.mimeType.lower(): c for c in RTCRtpSender.getCapabilities("audio").codecs}
-        return [available[CODEC_MIME[name].lower()] for name in self.settings.rtc.codecs
-                if CODEC_MIME[name].lower() in available]
+        voice = [available[CODEC_MIME[name].lower()] for name in self.settings.rtc.codecs
+                 if CODEC_MIME[name].lower() in available]
+        return voice + [self._telephone_event]
 
     def _wire(self, call: RtcCall) -> None:
         pc, session = call.pc, call.session
@@ -178,6 +187,8 @@ class SessionManager:
         def on_track(track) -> None:
             # aiortc queues received frames without bound until someone reads them, so every track
             # is consumed: the first audio track feeds the session, anything else is drained.
+            if track.kind == "audio":
+                install_dtmf_tap(pc, track, lambda digit: session.push_dtmf(digit, "rfc4733"))
             if track.kind == "audio" and not call.has_audio:
                 call.has_audio = True
                 install_jitter_buffer(pc, track, self.settings.rtc)
@@ -291,6 +302,13 @@ class SessionManager:
                 task.cancel()
         call.track.stop()
         await call.pc.close()
+        for callback in call.on_closed:
+            try:
+                result = callback(reason)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # one listener's failure must not keep the others from hearing
+                log.exception("session %s: close listener failed", call.session.id)
 
     async def _abandon(self, call: RtcCall) -> None:
         call.track.stop()
@@ -301,5 +319,7 @@ class SessionManager:
         while self.calls or self._reserved:
             for session_id in list(self.calls):
                 await self.close(session_id, reason)
-            if self._reserved:  # offers still being answered: let them finish, then close them too
+            if self.calls or self._reserved:
+                # Offers still being answered, or closes already under way (a peer that hung up
+                # just now): let them finish rather than spin without yielding.
                 await asyncio.sleep(0.05)

@@ -23,6 +23,7 @@ from lychee_rtc.engine.base import (
     AudioChunk,
     BargeIn,
     CodecTokens,
+    DTMF_DIGITS,
     Control,
     ControlKind,
     EngineError,
@@ -65,6 +66,7 @@ class SessionCounters:
     stale_audio_chunks: int = 0
     interruptions: int = 0
     input_samples: int = 0
+    dtmf_digits: int = 0
 
 
 class SessionObserver:
@@ -89,6 +91,7 @@ class DuplexSession:
         observer: SessionObserver | None = None,
         options: SessionOptions | None = None,
         metrics_enabled: bool = False,
+        origin: dict[str, Any] | None = None,
     ) -> None:
         caps = slot.capabilities
         self.id = session_id
@@ -104,6 +107,9 @@ class DuplexSession:
         self.held = False
         self.options = options or SessionOptions()
         self.metrics_enabled = metrics_enabled
+        # Where the call came from when it is not a plain WebRTC client (a phone call through a
+        # gateway: caller, SIP call id); shown in the session's info and its session.created event.
+        self.origin = dict(origin) if origin else None
         self.created_at = clock()
         self.last_audio_at: float | None = None
         self.counters = SessionCounters()
@@ -172,6 +178,7 @@ class DuplexSession:
                                    "window_samples": caps.window_samples},
             "output_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.output_rate},
             "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
+            **({"origin": self.origin} if self.origin else {}),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -180,6 +187,7 @@ class DuplexSession:
         slot = self.slot.counters
         return {
             "session_id": self.id,
+            **({"origin": self.origin} if self.origin else {}),
             "state": self.state,
             "epoch": self.epoch,
             "engine": self.engine_name,
@@ -222,6 +230,16 @@ class DuplexSession:
         now = self.clock() if now is None else now
         self.last_audio_at = now
         self._forward_windows(self.window_clock.gap(n, now, fill))
+
+    def push_dtmf(self, digit: str, source: str) -> None:
+        """A key the caller pressed (RFC 4733 telephone-event or SIP INFO): to the client and the engine."""
+        if len(digit) != 1 or digit not in DTMF_DIGITS:
+            raise ValueError(f"not a DTMF key: {digit!r}")
+        if self.closed:
+            return
+        self.counters.dtmf_digits += 1
+        self.emit("input_dtmf", epoch=self.epoch, digit=digit, source=source)
+        self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit))
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))
