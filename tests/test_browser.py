@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 import numpy as np
 import pytest
-from conftest import running_server
+from conftest import PATIENT_WINDOWS, running_server
 from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
 from lychee_rtc.bench.client import RtcClient
@@ -120,7 +120,7 @@ async def received(page: Page, seconds: float) -> dict[str, float]:
 
 async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, utterance):
     mic = write_mic_wav(tmp_path / "mic.wav", utterance)
-    async with running_server() as (url, app), chromium(tmp_path, mic) as context:
+    async with running_server(session=PATIENT_WINDOWS) as (url, app), chromium(tmp_path, mic) as context:
         page, errors = await open_page(context, url)
         await page.click("#connect")
         await expect(page.locator("#conn-status")).to_have_attribute("data-status", "connected", timeout=60_000)

@@ -12,7 +12,7 @@ import textwrap
 
 import aiohttp
 import numpy as np
-from conftest import running_server, wait_until
+from conftest import PATIENT_WINDOWS, running_server, wait_until
 
 from lychee_rtc.bench.client import RATE, RtcClient
 from lychee_rtc.pcm import PcmResampler
@@ -179,7 +179,7 @@ async def test_user_barge_in_interrupts_then_the_new_utterance_is_answered(echo_
 
 async def test_turn_listen_holds_and_commit_answers_at_once(utterance):
     # A long end-of-speech silence so only commit (or release) can make it answer in time.
-    async with running_server(engine={"echo": {"min_silence_ms": 8000}}) as (url, _):
+    async with running_server(engine={"echo": {"min_silence_ms": 8000}}, session=PATIENT_WINDOWS) as (url, _):
         client = RtcClient(url)
         await client.connect(session={"metrics": True})  # one metrics event per engine window
         try:
@@ -265,7 +265,7 @@ async def test_malformed_events_get_errors_and_the_session_lives_on(echo_server)
 
 
 async def test_g711_call_echoes(utterance):
-    async with running_server() as (url, app):
+    async with running_server(session=PATIENT_WINDOWS) as (url, app):
         client = RtcClient(url, codec="PCMU")
         await client.connect()
         try:

@@ -276,7 +276,7 @@ class JanusSipGateway:
         line.answering, line.caller_hung_up = True, False
         line.sip_call_id = data.get("call_id") or result.get("call_id")
         origin = {
-            "transport": "sip",
+            "kind": "sip",
             "gateway": "janus",
             "caller": str(result.get("username", "")),
             "caller_name": result.get("displayname"),

@@ -1,6 +1,7 @@
 """The duplex session: epochs, response ids, turn state, the event protocol and the window clock.
 
-Transport-agnostic: the transport feeds decoded 16 kHz audio in (``push_audio`` / ``push_gap``),
+Transport-agnostic: the transport feeds decoded 16 kHz audio in (``push_audio`` / ``push_gap``,
+and keypad digits with ``push_dtmf``),
 hands client messages to ``handle_message``, plays what the session writes into its ``AudioSink``
 and reports playout marks back. Everything here runs on one event loop, which is what makes the
 interrupt sequence of ARCHITECTURE section 4 atomic.
@@ -107,8 +108,8 @@ class DuplexSession:
         self.held = False
         self.options = options or SessionOptions()
         self.metrics_enabled = metrics_enabled
-        # Where the call came from when it is not a plain WebRTC client (a phone call through a
-        # gateway: caller, SIP call id); shown in the session's info and its session.created event.
+        # Where the call came from when a connector placed it (a phone call through the SIP
+        # gateway: caller, SIP Call-ID); shown in the session's info and its session.created event.
         self.origin = dict(origin) if origin else None
         self.created_at = clock()
         self.last_audio_at: float | None = None
@@ -231,15 +232,24 @@ class DuplexSession:
         self.last_audio_at = now
         self._forward_windows(self.window_clock.gap(n, now, fill))
 
-    def push_dtmf(self, digit: str, source: str) -> None:
-        """A key the caller pressed (RFC 4733 telephone-event or SIP INFO): to the client and the engine."""
-        if len(digit) != 1 or digit not in DTMF_DIGITS:
+    def push_dtmf(self, digit: str, source: str | None = None) -> None:
+        """A keypad digit from the caller: reported, it interrupts the agent like a barge-in, and the
+        engine hears it too (the echo engine ends the caller's turn on ``#``).
+
+        ``source``: how it arrived (``rfc4733`` telephone-event, ``sip_info``, a carrier's frame).
+        """
+        if len(digit) != 1 or digit.upper() not in DTMF_DIGITS:
             raise ValueError(f"not a DTMF key: {digit!r}")
         if self.closed:
             return
         self.counters.dtmf_digits += 1
-        self.emit("input_dtmf", epoch=self.epoch, digit=digit, source=source)
-        self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit))
+        fields: dict[str, Any] = {"epoch": self.epoch, "event": digit, "received_at": time.time()}
+        if source is not None:
+            fields["source"] = source
+        self.emit("input_audio_buffer.dtmf_event_received", **fields)
+        if self.active_response is not None:
+            self.interrupt("dtmf")
+        self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit.upper()))
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))
