@@ -183,7 +183,8 @@ class JanusGatewaySettings(_Section):
     # Janus insists on a secret even when the registrar never challenges.
     secret: str = Field("lychee", min_length=1)
     registrar: str = Field("sip:127.0.0.1:5060", pattern=r"^sips?:\S+$")
-    display_name: str = "lychee"
+    # Shown to callers in the Contact; None leaves it out (some user agents mishandle it).
+    display_name: str | None = None
     register_ttl_s: int = Field(300, ge=5, le=86400)
     # Janus takes one call per plugin handle; default: session capacity + 1, so that the call
     # after the last free session still reaches us and is refused with 486 Busy Here.

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lychee_rtc.pcm import PcmResampler
+from lychee_rtc.telephony.g711 import g711_decode, g711_encode
 
 RATE = 8000
 FRAME = 160  # 20 ms of G.711
@@ -28,23 +29,12 @@ DTMF_CODES = {d: i for i, d in enumerate("0123456789*#ABCD")}
 REPO = Path(__file__).resolve().parents[1]
 
 
-# --- G.711 mu-law (ITU-T G.711, the segment/mantissa form) ------------------------------------------
-
 def ulaw_encode(x: np.ndarray) -> bytes:
-    pcm = np.clip(np.round(x * 32767.0), -32768, 32767).astype(np.int32)
-    sign = (pcm < 0).astype(np.int32)
-    magnitude = np.minimum(np.abs(pcm), 32635) + 0x84
-    exponent = np.clip(np.floor(np.log2(magnitude)).astype(np.int32) - 7, 0, 7)
-    mantissa = (magnitude >> (exponent + 3)) & 0x0F
-    return (~((sign << 7) | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8).tobytes()
+    return g711_encode(x, "mulaw")
 
 
 def ulaw_decode(data: bytes) -> np.ndarray:
-    b = ~np.frombuffer(data, np.uint8).astype(np.int32) & 0xFF
-    exponent = (b >> 4) & 0x07
-    magnitude = (((b & 0x0F) << 3) + 0x84) << exponent
-    pcm = np.where(b & 0x80, 0x84 - magnitude, magnitude - 0x84)
-    return (pcm / 32768.0).astype(np.float32)
+    return g711_decode(data, "mulaw")
 
 
 def to_8k(x: np.ndarray, rate: int) -> np.ndarray:
@@ -188,16 +178,16 @@ def pcmu_signal(packets: list[Rtp]) -> tuple[np.ndarray, int]:
 # --- capture -----------------------------------------------------------------------------------------
 
 class LoopbackCapture:
-    """tshark on ``lo`` for UDP to one port, written as a classic pcap."""
+    """tshark on ``lo`` for UDP to one port (or a BPF ``udp dst portrange a-b``), as a classic pcap."""
 
-    def __init__(self, path: Path, port: int) -> None:
+    def __init__(self, path: Path, port: int | str) -> None:
         self.path = path
-        self.port = port
+        self.filter = f"udp dst port {port}" if isinstance(port, int) else port
         self._proc: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> "LoopbackCapture":
         self._proc = await asyncio.create_subprocess_exec(
-            "tshark", "-i", "lo", "-f", f"udp dst port {self.port}", "-F", "pcap", "-w", str(self.path), "-q",
+            "tshark", "-i", "lo", "-f", self.filter, "-F", "pcap", "-w", str(self.path), "-q",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         assert self._proc.stderr is not None
         # tshark says "Capturing on ..." once the capture runs; nothing sent before that is seen.
@@ -242,7 +232,7 @@ def sipp_uac_scenario(pcap: Path | None, hold_ms: int, hangup: str = "caller", i
     invite = f"""
   <send retrans="500">
     <![CDATA[
-INVITE [service]@[remote_ip]:[remote_port] SIP/2.0
+INVITE sip:[service]@[remote_ip]:[remote_port] SIP/2.0
 Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
 From: "Test caller" <sip:caller[call_number]@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
 To: <sip:[service]@[remote_ip]:[remote_port]>
@@ -266,7 +256,7 @@ Content-Length: [len]
   <recv response="486"/>
   <send>
     <![CDATA[
-ACK [service]@[remote_ip]:[remote_port] SIP/2.0
+ACK sip:[service]@[remote_ip]:[remote_port] SIP/2.0
 Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
 From: "Test caller" <sip:caller[call_number]@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
 To: <sip:[service]@[remote_ip]:[remote_port]>[peer_tag_param]
@@ -389,12 +379,14 @@ async def run_sipp(scenario: str, workdir: Path, sip_port: int, media_port: int,
                    service: str = "lychee", timeout_s: float = 120.0, tag: str = "uac") -> SippResult:
     """Run SIPp as a caller through the registrar at 127.0.0.1:``sip_port``; ``calls`` at once."""
     xml = workdir / f"{tag}.xml"
+    for stale in workdir.glob(f"{tag}_*"):
+        stale.unlink()
     xml.write_text(scenario)
     errors = workdir / f"{tag}_errors.log"
-    argv = ["sipp", f"127.0.0.1:{sip_port}", "-sf", str(xml), "-s", service, "-i", "127.0.0.1", "-p", "0",
+    argv = ["sipp", f"127.0.0.1:{sip_port}", "-sf", str(xml), "-s", service, "-i", "127.0.0.1", "-p", str(_free_udp_port()),
             "-mi", "127.0.0.1", "-mp", str(media_port), "-m", str(calls), "-l", str(calls), "-r", str(calls),
             "-rp", "1000", "-nostdin", "-timeout", f"{int(timeout_s)}s",
-            "-timeout_error", "-max_invite_retrans", "3", "-trace_err", "-error_file", str(errors),
+            "-timeout_error", "-max_invite_retrans", "3", "-trace_err", "-error_file", str(errors), "-trace_msg", "-message_file", str(workdir / f"{tag}_messages.log"),
             "-trace_stat", "-stf", str(workdir / f"{tag}_stats.csv")]
     proc = await asyncio.create_subprocess_exec(*argv, cwd=workdir, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
@@ -406,6 +398,12 @@ async def run_sipp(scenario: str, workdir: Path, sip_port: int, media_port: int,
     stats = errors.read_text(errors="replace") if errors.exists() else ""
     return SippResult(proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace"),
                       err.decode(errors="replace"), stats)
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ensure_tools() -> None:

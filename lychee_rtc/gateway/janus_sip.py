@@ -174,8 +174,9 @@ class JanusSipGateway:
         s = self.settings
         body: dict[str, Any] = {"request": "register", "username": s.sip_uri, **extra}
         if not line.helper:
-            body.update(secret=s.secret, proxy=s.registrar, register_ttl=s.register_ttl_s,
-                        display_name=s.display_name)
+            body.update(secret=s.secret, proxy=s.registrar, register_ttl=s.register_ttl_s)
+            if s.display_name:
+                body["display_name"] = s.display_name
             if refresh:
                 body["refresh"] = True
         line.registered = asyncio.get_running_loop().create_future()
@@ -208,6 +209,7 @@ class JanusSipGateway:
     # --- Janus events ------------------------------------------------------------------------------
 
     def _on_event(self, message: dict[str, Any]) -> None:
+        log.debug("Janus event: %.300s", message)
         line = self._lines.get(message.get("sender", -1))
         if line is None:
             return
@@ -261,6 +263,8 @@ class JanusSipGateway:
         if line.session_id is None:
             if line.answering:
                 line.caller_hung_up = True  # the answer in progress sees it and gives up
+            return
+        if line.caller_hung_up:  # Janus reports the SIP hangup and then the WebRTC leg going down
             return
         line.caller_hung_up = True
         self.counters.caller_hangups += 1
