@@ -260,6 +260,7 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
         "audio_player aubridge,nowhere\n"
         "audio_alert aubridge,nowhere\n"
         "rtp_ports 24000-24999\n"
+        "net_interface 127.0.0.1\n"  # its SDP must name 127.0.0.1, where its RTP comes from
         "module stdio.so\nmodule g711.so\nmodule aufile.so\nmodule aubridge.so\n"
         "module_app account.so\nmodule_app menu.so\n")
     (conf / "accounts").write_text("<sip:baresip@127.0.0.1>;regint=0;audio_codecs=PCMU\n")
@@ -271,11 +272,21 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
                 "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "40",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             try:
+                await wait_until(lambda: app[MANAGER_KEY].calls or proc.returncode is not None, 60, "the call")
+                if proc.returncode is not None:
+                    pytest.fail("baresip ended before the call: " + (await proc.stdout.read()).decode(errors="replace"))
                 (call,) = await answered_session(app)
                 tap = EventTap()
                 call.session.attach_channel(tap)
                 assert call.session.origin["caller"].startswith("sip:baresip@127.0.0.1")
-                await wait_until(lambda: tap.of("output_audio_buffer.stopped"), 90, "the echo to be played")
+                try:
+                    await wait_until(lambda: tap.of("output_audio_buffer.stopped") or call.session.closed, 90,
+                                     "the echo to be played")
+                    assert tap.of("output_audio_buffer.stopped"), f"session closed: {call.session.close_reason}"
+                except BaseException:
+                    proc.kill()
+                    print((await proc.communicate())[0].decode(errors="replace")[-4000:])
+                    raise
                 await app[MANAGER_KEY].close(call.session.id, "deleted")
                 out = (await asyncio.wait_for(proc.communicate(), 60))[0]
             finally:
