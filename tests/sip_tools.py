@@ -119,8 +119,9 @@ def _add_audio(packets, signal: np.ndarray, seq: int, ts: int, t: float, ssrc: i
     return seq, ts, t
 
 
-def read_pcap_udp(path: Path) -> list[tuple[float, bytes]]:
-    """(time, UDP payload) of each IPv4/UDP packet of a classic pcap (Ethernet, Linux cooked or null)."""
+def read_pcap_udp(path: Path, with_ports: bool = False) -> list:
+    """(time, UDP payload) of each IPv4/UDP packet of a classic pcap (Ethernet, Linux cooked or null);
+    with ``with_ports``, (time, source port, destination port, payload)."""
     data = path.read_bytes()
     if len(data) < 24:
         return []
@@ -140,8 +141,9 @@ def read_pcap_udp(path: Path) -> list[tuple[float, bytes]]:
         if len(ip) < 28 or ip[0] >> 4 != 4 or ip[9] != 17:
             continue
         ihl = (ip[0] & 0x0F) * 4
-        udp_len = struct.unpack("!H", ip[ihl + 4:ihl + 6])[0]
-        out.append((sec + frac / (1e9 if nano else 1e6), ip[ihl + 8:ihl + udp_len]))
+        src, dst, udp_len = struct.unpack("!HHH", ip[ihl:ihl + 6])
+        at = sec + frac / (1e9 if nano else 1e6)
+        out.append((at, src, dst, ip[ihl + 8:ihl + udp_len]) if with_ports else (at, ip[ihl + 8:ihl + udp_len]))
     return out
 
 

@@ -296,3 +296,29 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
             rtp = await capture.stop()
     assert b"closed" in out.lower() or b"terminated" in out.lower(), out.decode(errors="replace")[-2000:]
     assert best_match(received_audio(rtp), speech_8k) > 0.7
+
+
+async def test_gateway_registers_again_after_kamailio_and_janus_restart(stack, tmp_path, speech_8k):
+    pcap = tmp_path / "speech.pcap"
+    speech_pcap(pcap, [speech_8k[: RATE]])
+
+    async def one_call(tag: str) -> None:
+        result = await run_sipp(sipp_uac_scenario(pcap, hold_ms=1000), tmp_path, stack.ports.sip, free_port(),
+                                tag=tag)
+        assert result.returncode == 0, result.explain()
+
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack, register_ttl_s=6)) as (url, app):
+        gateway = app[GATEWAY_KEY]
+        await registered(app)
+        # Kamailio keeps registrations in memory: after a restart only a re-registration brings
+        # the bot back, and the connector refreshes it at half its lifetime.
+        before = gateway.counters.registrations
+        await asyncio.to_thread(stack.restart, "kamailio")
+        await wait_until(lambda: gateway.counters.registrations > before, 60, "a re-registration")
+        await one_call("after_kamailio")
+        # Janus restarting takes every handle with it: the connector reconnects and starts over.
+        await asyncio.to_thread(stack.restart, "janus")
+        await wait_until(lambda: gateway.counters.connects >= 2 and gateway.registered, 90,
+                         "the connector to reconnect to Janus and register")
+        await one_call("after_janus")
+        assert gateway.counters.answered == 2

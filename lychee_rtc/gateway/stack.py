@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import glob
 import ipaddress
@@ -282,7 +283,14 @@ def janus_ping(port: int, timeout: float = 2.0) -> bool:
         except (OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return False
 
-    return asyncio.run(probe())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(probe())
+    # Called from inside an event loop (a caller that starts the stack from async code): probe
+    # from a thread of its own instead.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, probe()).result()
 
 
 def main(argv: list[str] | None = None) -> int:
