@@ -266,6 +266,9 @@ class JanusSipGateway:
             return
         if line.caller_hung_up:  # Janus reports the SIP hangup and then the WebRTC leg going down
             return
+        call = self.manager.calls.get(line.session_id)
+        if call is None or call.session.closed:
+            return  # the server is ending this session (its leg going down is ours): it hangs up itself
         line.caller_hung_up = True
         self.counters.caller_hangups += 1
         self._spawn(self.manager.close(line.session_id, reason))
