@@ -8,7 +8,9 @@ loopback interface by tshark and decoded here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import shutil
 import socket
 import struct
@@ -190,7 +192,7 @@ class LoopbackCapture:
     async def __aenter__(self) -> "LoopbackCapture":
         self._proc = await asyncio.create_subprocess_exec(
             "tshark", "-i", "lo", "-f", self.filter, "-F", "pcap", "-w", str(self.path), "-q",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, start_new_session=True)
         assert self._proc.stderr is not None
         # tshark says "Capturing on ..." once the capture runs; nothing sent before that is seen.
         async def ready() -> None:
@@ -208,8 +210,15 @@ class LoopbackCapture:
 
     async def stop(self) -> list[Rtp]:
         if self._proc is not None and self._proc.returncode is None:
-            self._proc.terminate()
-            await asyncio.wait_for(self._proc.wait(), 30)
+            # tshark and its dumpcap child: the whole group, so no capture outlives the test.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._proc.wait(), 30)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                await self._proc.wait()
         return parse_rtp(read_pcap_udp(self.path)) if self.path.exists() else []
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import time
-from pathlib import Path
 
 import aiohttp
 import numpy as np
