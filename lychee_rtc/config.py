@@ -206,6 +206,31 @@ class ClusterSettings(_Section):
         return ports
 
 
+class JanusGatewaySettings(_Section):
+    """Phone calls through a Janus media gateway (its SIP plugin), see docs/telephony.md."""
+
+    enabled: bool = False
+    url: str = Field("ws://127.0.0.1:8188", pattern=r"^wss?://")  # Janus WebSocket API
+    api_secret: str | None = None
+    # The SIP identity the bot registers; callers dial it through the registrar.
+    sip_uri: str = Field("sip:lychee@127.0.0.1", pattern=r"^sips?:[^@\s]+@\S+$")
+    # Janus insists on a secret even when the registrar never challenges.
+    secret: str = Field("lychee", min_length=1)
+    registrar: str = Field("sip:127.0.0.1:5060", pattern=r"^sips?:\S+$")
+    # Shown to callers in the Contact; None leaves it out (some user agents mishandle it).
+    display_name: str | None = None
+    register_ttl_s: int = Field(300, ge=5, le=86400)
+    # Janus takes one call per plugin handle; default: session capacity + 1, so that the call
+    # after the last free session still reaches us and is refused with 486 Busy Here.
+    lines: int | None = Field(None, ge=1, le=257)
+    reconnect_max_s: float = Field(5.0, gt=0, le=300)
+    request_timeout_s: float = Field(10.0, gt=0, le=120)
+
+
+class GatewaySettings(_Section):
+    janus: JanusGatewaySettings = Field(default_factory=JanusGatewaySettings)
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     rtc: RtcSettings = Field(default_factory=RtcSettings)
@@ -214,6 +239,7 @@ class Settings(_Section):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     telephony: TelephonySettings = Field(default_factory=TelephonySettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @model_validator(mode="after")
     def _web_root_exists(self) -> "Settings":

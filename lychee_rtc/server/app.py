@@ -29,6 +29,7 @@ SETTINGS_KEY = web.AppKey("settings", Settings)
 MANAGER_KEY = web.AppKey("manager", SessionManager)
 ENGINE_KEY = web.AppKey("engine", Engine)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+GATEWAY_KEY = web.AppKey("gateway", object)  # the SIP gateway connector, when configured
 
 WHIP_PATCH_TYPE = "application/trickle-ice-sdpfrag"
 CORS_EXPOSE = "Location, ETag, Link, Accept-Patch, Accept-Post, Retry-After"
@@ -313,10 +314,19 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     if settings.web_root.is_dir():
         app.router.add_static("/static/", settings.web_root, show_index=False)
 
+    if settings.gateway.janus.enabled:
+        from lychee_rtc.gateway.janus_sip import JanusSipGateway
+
+        app[GATEWAY_KEY] = JanusSipGateway(settings.gateway.janus, app[MANAGER_KEY])
+
     async def on_startup(app: web.Application) -> None:
         await app[ENGINE_KEY].start()
+        if GATEWAY_KEY in app:
+            await app[GATEWAY_KEY].start()
 
     async def on_shutdown(app: web.Application) -> None:
+        if GATEWAY_KEY in app:
+            await app[GATEWAY_KEY].stop()
         await app[MANAGER_KEY].close_all("server_shutdown")
         await app[ENGINE_KEY].stop()
 

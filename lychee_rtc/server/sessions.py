@@ -14,7 +14,7 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.exceptions import OperationError
@@ -23,6 +23,7 @@ from aiortc.sdp import candidate_from_sdp
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine, EngineSlot
+from lychee_rtc.media.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_event, install_dtmf_tap
 from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
@@ -73,6 +74,8 @@ class RtcCall:
     whip: bool = False
     has_audio: bool = False
     folded: dict[str, int] = field(default_factory=dict)  # counters already added to Prometheus
+    # Called with the reason once the call is torn down (a SIP gateway hangs up its leg here).
+    on_closed: list[Callable[[str], Awaitable[None] | None]] = field(default_factory=list)
 
     def playout_counters(self) -> PlayoutCounters:
         return self.track.playout_counters()
@@ -109,6 +112,8 @@ class SessionManager:
         # Put in every session id; a cluster worker sets its worker id here so that an entry can
         # route a session's follow-up requests from the id alone.
         self.id_prefix = ""
+        # Offered after the voice codecs, so that callers through a SIP gateway can send keys.
+        self._telephone_event = enable_telephone_event()
 
     @property
     def capacity(self) -> int:
@@ -127,10 +132,11 @@ class SessionManager:
     # --- offer / answer ----------------------------------------------------------------------------
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
-                     metrics: bool = False) -> RtcCall:
+                     metrics: bool = False, origin: dict[str, Any] | None = None) -> RtcCall:
+        """``origin``: where the call came from when a connector places it (a SIP gateway's caller)."""
         validate_offer(offer_sdp)
         async with self.admission(options or SessionOptions()) as slot:
-            return await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics)
+            return await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin)
 
     @asynccontextmanager
     async def admission(self, options: SessionOptions) -> AsyncIterator[EngineSlot]:
@@ -158,10 +164,11 @@ class SessionManager:
             self._reserved -= 1
 
     def new_session(self, slot: EngineSlot, sink: AudioSink, options: SessionOptions,
-                    metrics: bool = False) -> DuplexSession:
+                    metrics: bool = False, origin: dict[str, Any] | None = None) -> DuplexSession:
         caps = self.engine.capabilities
         return DuplexSession(f"sess_{self.id_prefix}{secrets.token_hex(8)}", self.settings.session, slot, sink,
-                             engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics)
+                             engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
+                             origin=origin)
 
     def register(self, call: Call) -> None:
         """Count the call, start its session and its watchdog; closing the session tears it down."""
@@ -173,12 +180,13 @@ class SessionManager:
         session.start()
         call.tasks.append(asyncio.create_task(self._watchdog(call), name=f"watchdog-{session.id}"))
 
-    async def _connect(self, slot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
+    async def _connect(self, slot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool,
+                       origin: dict[str, Any] | None) -> RtcCall:
         caps = self.engine.capabilities
         pc = RTCPeerConnection(self.rtc_configuration())
         track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
                                 live=caps.live_passthrough)
-        session = self.new_session(slot, track, options, metrics)
+        session = self.new_session(slot, track, options, metrics, origin)
         session_id = session.id
         track.listener = session
         call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip)
@@ -203,7 +211,7 @@ class SessionManager:
                 raise
             raise SdpError(f"cannot use SDP offer: {exc}") from None
         codec = negotiated_audio_codec(pc.localDescription.sdp)
-        if codec is None:
+        if codec is None or codec[0].lower() == TELEPHONE_EVENT.split("/")[1]:
             await call.close_transport()
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True)
@@ -215,8 +223,9 @@ class SessionManager:
 
     def _codec_preferences(self) -> list:
         available = {c.mimeType.lower(): c for c in RTCRtpSender.getCapabilities("audio").codecs}
-        return [available[CODEC_MIME[name].lower()] for name in self.settings.rtc.codecs
-                if CODEC_MIME[name].lower() in available]
+        voice = [available[CODEC_MIME[name].lower()] for name in self.settings.rtc.codecs
+                 if CODEC_MIME[name].lower() in available]
+        return voice + [self._telephone_event]
 
     def _wire(self, call: RtcCall) -> None:
         pc, session = call.pc, call.session
@@ -225,6 +234,8 @@ class SessionManager:
         def on_track(track) -> None:
             # aiortc queues received frames without bound until someone reads them, so every track
             # is consumed: the first audio track feeds the session, anything else is drained.
+            if track.kind == "audio":
+                install_dtmf_tap(pc, track, lambda digit: session.push_dtmf(digit, "rfc4733"))
             if track.kind == "audio" and not call.has_audio:
                 call.has_audio = True
                 install_jitter_buffer(pc, track, self.settings.rtc)
@@ -337,6 +348,13 @@ class SessionManager:
             if task is not current:
                 task.cancel()
         await call.close_transport()
+        for callback in getattr(call, "on_closed", ()):
+            try:
+                result = callback(reason)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # one listener's failure must not keep the others from hearing
+                log.exception("session %s: close listener failed", call.session.id)
 
     async def close_all(self, reason: str) -> None:
         self.closing = True

@@ -24,6 +24,7 @@ from lychee_rtc.engine.base import (
     AudioChunk,
     BargeIn,
     CodecTokens,
+    DTMF_DIGITS,
     Control,
     ControlKind,
     EngineError,
@@ -66,6 +67,7 @@ class SessionCounters:
     stale_audio_chunks: int = 0
     interruptions: int = 0
     input_samples: int = 0
+    dtmf_digits: int = 0
 
 
 class SessionObserver:
@@ -90,6 +92,7 @@ class DuplexSession:
         observer: SessionObserver | None = None,
         options: SessionOptions | None = None,
         metrics_enabled: bool = False,
+        origin: dict[str, Any] | None = None,
     ) -> None:
         caps = slot.capabilities
         self.id = session_id
@@ -105,6 +108,9 @@ class DuplexSession:
         self.held = False
         self.options = options or SessionOptions()
         self.metrics_enabled = metrics_enabled
+        # Where the call came from when a connector placed it (a phone call through the SIP
+        # gateway: caller, SIP Call-ID); shown in the session's info and its session.created event.
+        self.origin = dict(origin) if origin else None
         self.created_at = clock()
         self.last_audio_at: float | None = None
         self.counters = SessionCounters()
@@ -173,6 +179,7 @@ class DuplexSession:
                                    "window_samples": caps.window_samples},
             "output_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.output_rate},
             "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
+            **({"origin": self.origin} if self.origin else {}),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -181,6 +188,7 @@ class DuplexSession:
         slot = self.slot.counters
         return {
             "session_id": self.id,
+            **({"origin": self.origin} if self.origin else {}),
             "state": self.state,
             "epoch": self.epoch,
             "engine": self.engine_name,
@@ -224,13 +232,24 @@ class DuplexSession:
         self.last_audio_at = now
         self._forward_windows(self.window_clock.gap(n, now, fill))
 
-    def push_dtmf(self, digit: str) -> None:
-        """A keypad digit from the caller: reported, and it interrupts the agent like a barge-in."""
+    def push_dtmf(self, digit: str, source: str | None = None) -> None:
+        """A keypad digit from the caller: reported, it interrupts the agent like a barge-in, and the
+        engine hears it too (the echo engine ends the caller's turn on ``#``).
+
+        ``source``: how it arrived (``rfc4733`` telephone-event, ``sip_info``, a carrier's frame).
+        """
+        if len(digit) != 1 or digit.upper() not in DTMF_DIGITS:
+            raise ValueError(f"not a DTMF key: {digit!r}")
         if self.closed:
             return
-        self.emit("input_audio_buffer.dtmf_event_received", epoch=self.epoch, event=digit, received_at=time.time())
+        self.counters.dtmf_digits += 1
+        fields: dict[str, Any] = {"epoch": self.epoch, "event": digit, "received_at": time.time()}
+        if source is not None:
+            fields["source"] = source
+        self.emit("input_audio_buffer.dtmf_event_received", **fields)
         if self.active_response is not None:
             self.interrupt("dtmf")
+        self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit.upper()))
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))

@@ -108,7 +108,7 @@ class CarrierCall:
                 self.playout.on_mark(event.name)
             elif isinstance(event, DigitPressed):
                 self.counters.digits += 1
-                self.session.push_dtmf(event.digit)
+                self.session.push_dtmf(event.digit, "carrier")
             elif isinstance(event, StreamStopped):
                 return "hangup"
             elif isinstance(event, PlaybackCleared):
