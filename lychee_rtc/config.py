@@ -63,6 +63,8 @@ class ServerSettings(_Section):
     auth_token: str | None = None
     web_root: Path | None = None  # defaults to the repository's web/ folder
     max_sdp_bytes: int = Field(64 * 1024, ge=1024)
+    # At shutdown, calls get this long to close cleanly (final event, slot released); then forced.
+    shutdown_grace_s: float = Field(5.0, gt=0, le=300)
 
 
 class RtcSettings(_Section):

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 EVENT_CHANNEL_LABELS = ("events", "oai-events")
 CODEC_MIME = {"opus": "audio/opus", "PCMU": "audio/PCMU", "PCMA": "audio/PCMA"}
 WATCHDOG_PERIOD_S = 0.25
+# How long a closing call waits for its last events to be handed to the transport.
+EVENT_DRAIN_S = 0.5
+# A call forced closed at the end of the shutdown grace gets this long to close its transport.
+FORCED_CLOSE_S = 1.0
 
 
 class ServerFull(Exception):
@@ -103,9 +107,13 @@ class SessionManager:
             raise ServerFull(self.settings.session.retry_after_s)
         self._reserved += 1
         try:
-            return await self._create(offer_sdp, options or SessionOptions(), whip, metrics)
+            call = await self._create(offer_sdp, options or SessionOptions(), whip, metrics)
         finally:
             self._reserved -= 1
+        if self.closing:  # shutdown began while this offer was being answered
+            await self.close(call.session.id, "server_shutdown")
+            raise ServerFull(self.settings.session.retry_after_s)
+        return call
 
     async def _create(self, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
         try:
@@ -290,16 +298,49 @@ class SessionManager:
             if task is not current:
                 task.cancel()
         call.track.stop()
+        await self._drain_events(call)
         await call.pc.close()
+
+    async def _drain_events(self, call: RtcCall) -> None:
+        """Give the last events (session.closed above all) a moment to leave before the SCTP abort."""
+        deadline = time.monotonic() + EVENT_DRAIN_S
+        while call.session.buffered_events() > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     async def _abandon(self, call: RtcCall) -> None:
         call.track.stop()
         await call.pc.close()
 
     async def close_all(self, reason: str) -> None:
+        """Close every call within ``server.shutdown_grace_s``; calls still open then are torn down."""
         self.closing = True
-        while self.calls or self._reserved:
-            for session_id in list(self.calls):
-                await self.close(session_id, reason)
-            if self._reserved:  # offers still being answered: let them finish, then close them too
-                await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.server.shutdown_grace_s
+        while (self.calls or self._reserved) and loop.time() < deadline:
+            remaining = deadline - loop.time()
+            # Each close is awaited as a task: a call that is already closing is waited for (not
+            # skipped in a loop that never yields, which would starve the teardown it waits on).
+            closing = [asyncio.ensure_future(self.close(session_id, reason)) for session_id in list(self.calls)]
+            if closing:
+                await asyncio.wait(closing, timeout=remaining)
+            else:  # offers still being answered: they are closed as soon as they finish
+                await asyncio.sleep(min(0.05, remaining))
+        for call in list(self.calls.values()):
+            log.warning("session %s did not close within %.1f s of shutdown: forcing it",
+                        call.session.id, self.settings.server.shutdown_grace_s)
+            await self._force_teardown(call, reason)
+
+    async def _force_teardown(self, call: RtcCall, reason: str) -> None:
+        self.calls.pop(call.session.id, None)
+        self.metrics.playout_depth.remove(call.session.id)
+        self.metrics.active_sessions.set(len(self.calls))
+        for task in call.tasks:
+            task.cancel()
+        call.track.stop()
+        # The engine frees the slot when it stops; the transport gets a bounded chance to close.
+        closing = asyncio.ensure_future(call.pc.close())
+        done, _ = await asyncio.wait([closing], timeout=FORCED_CLOSE_S)
+        if not done:
+            closing.cancel()
+        elif closing.exception() is not None:
+            log.warning("session %s: peer connection failed to close: %r", call.session.id, closing.exception())

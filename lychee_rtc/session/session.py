@@ -113,6 +113,7 @@ class DuplexSession:
         self.closed = False
         self.close_reason: str | None = None
         self.on_close: Callable[[str], Any] | None = None
+        self._close_task: asyncio.Task | None = None
         self._stamper = EventStamper()
         self._outbox: deque[str] = deque()
         self._send: Callable[[str], None] | None = None
@@ -135,18 +136,30 @@ class DuplexSession:
         self.emit("session.created", session=self.describe())
 
     async def close(self, reason: str) -> None:
-        if self.closed:
-            return
+        """End the session; every caller waits for the same teardown, however many there are.
+
+        The teardown runs as a task of its own, so a caller that is cancelled (an HTTP request
+        whose client went away, a watchdog being stopped) cannot leave it half done.
+        """
+        if self._close_task is None:
+            self._begin_close(reason)
+        assert self._close_task is not None
+        await asyncio.shield(self._close_task)
+
+    def _begin_close(self, reason: str) -> None:
         self.closed = True
         self.close_reason = reason
         self.state = "closed"
         if self.active_response is not None:
             self._finish_response(self.active_response, "cancelled", reason)
         self.emit("session.closed", reason=reason)
-        current = asyncio.current_task()
         for task in self._tasks:
-            if task is not current:
+            if task is not asyncio.current_task():
                 task.cancel()
+        self._close_task = asyncio.get_running_loop().create_task(self._finish_close(reason),
+                                                                  name=f"session-{self.id}-close")
+
+    async def _finish_close(self, reason: str) -> None:
         try:
             await self.slot.close()
         except Exception:  # the transport must still be torn down, or the call would linger
@@ -202,6 +215,15 @@ class DuplexSession:
         self._send, self._buffered = send, buffered
         while self._outbox:
             self._transmit(self._outbox.popleft())
+
+    def buffered_events(self) -> int:
+        """Bytes of events handed to the channel and not yet sent (0 without a channel)."""
+        if self._send is None:
+            return 0
+        try:
+            return int(self._buffered())
+        except Exception:
+            return 0
 
     def detach_channel(self, send: Callable[[str], None] | None = None) -> None:
         """Stop sending on the channel whose ``send`` this is (or on any channel if None)."""
@@ -280,6 +302,8 @@ class DuplexSession:
     # --- client messages ---------------------------------------------------------------------------
 
     def handle_message(self, raw: str | bytes) -> None:
+        if self.closed:
+            return
         self.counters.messages_in += 1
         if not self._take_message_token():
             return
@@ -345,7 +369,8 @@ class DuplexSession:
                 fields["client_time"] = p["client_time"]
             self.emit("pong", **fields)
         elif ev.type == "session.close":
-            self._tasks.append(asyncio.get_running_loop().create_task(self.close("client_closed")))
+            if self._close_task is None:  # one teardown, however many times the client asks
+                self._begin_close("client_closed")
         else:  # the schema and this dispatcher disagree: a server bug, said plainly
             raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id, "server_error")
 
