@@ -23,8 +23,10 @@ from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
+from lychee_rtc.media.sctp_guard import SctpGuard
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.server.metrics import ServerMetrics
+from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class RtcCall:
     whip: bool = False
     has_audio: bool = False
     folded: dict[str, int] = field(default_factory=dict)  # counters already added to Prometheus
+    sctp_guard: SctpGuard | None = None
 
     def snapshot(self) -> dict:
         snap = self.session.snapshot()
@@ -145,6 +148,7 @@ class SessionManager:
         transceiver.setCodecPreferences(self._codec_preferences())
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            self._guard_data_channel(call)
             for other in pc.getTransceivers():
                 if other is not transceiver:
                     other.direction = "inactive"  # video or a second audio line: not received at all
@@ -173,6 +177,20 @@ class SessionManager:
         session.start()
         call.tasks.append(asyncio.create_task(self._watchdog(call), name=f"watchdog-{session_id}"))
         return call
+
+    def _guard_data_channel(self, call: RtcCall) -> None:
+        """Bound data-channel messages while their fragments arrive (and advertise the bound)."""
+        if call.pc.sctp is None:
+            return
+        session = call.session
+
+        def overflow(what: str) -> None:
+            asyncio.ensure_future(self.close(session.id, "data_channel_overflow"))
+
+        guard = SctpGuard(MAX_MESSAGE_BYTES, on_oversize=lambda _stream, size: session.reject_oversize(size),
+                          on_overflow=overflow)
+        if guard.install(call.pc.sctp):
+            call.sctp_guard = guard
 
     def _codec_preferences(self) -> list:
         available = {c.mimeType.lower(): c for c in RTCRtpSender.getCapabilities("audio").codecs}

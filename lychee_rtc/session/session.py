@@ -39,7 +39,14 @@ from lychee_rtc.engine.base import (
 from lychee_rtc.engine.scheduler import EngineSlot
 from lychee_rtc.session.clock import WindowClock
 from lychee_rtc.session.ledger import ResponseLedger, ResponseRecord
-from lychee_rtc.session.protocol import ClientEvent, EventStamper, ProtocolError, error_body, parse_client_event
+from lychee_rtc.session.protocol import (
+    MAX_MESSAGE_BYTES,
+    ClientEvent,
+    EventStamper,
+    ProtocolError,
+    error_body,
+    parse_client_event,
+)
 from lychee_rtc.session.sink import AudioSink
 
 log = logging.getLogger(__name__)
@@ -316,6 +323,14 @@ class DuplexSession:
             log.exception("session %s: failed to handle a client message", self.id)
             self._error(ProtocolError("internal_error", "the server failed to handle this message",
                                       error_type="server_error"))
+
+    def reject_oversize(self, size: int) -> None:
+        """The transport dropped a message while it arrived, at ``size`` bytes, for being too large."""
+        if self.closed:
+            return
+        self.counters.messages_in += 1
+        self._error(ProtocolError("message_too_large",
+                                  f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
 
     def _take_message_token(self) -> bool:
         """Token bucket over client messages, so a flooding client cannot monopolise the loop."""
