@@ -5,7 +5,6 @@ The HTTP contract is written down in signaling/openapi.yaml; tests check this se
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -19,7 +18,7 @@ from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.sdp import SdpError
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.sessions import RtcCall, ServerFull, SessionManager
-from lychee_rtc.session.protocol import validator
+from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads, validator
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +33,14 @@ CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, If-Match"
 
 
+def _json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    # Strict: a browser's JSON.parse rejects NaN and Infinity, so they are never sent.
+    return web.json_response(data, status=status, headers=headers, dumps=strict_json_dumps)
+
+
 def _error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
            headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"type": error_type, "code": code, "message": message}},
+    return _json_response({"error": {"type": error_type, "code": code, "message": message}},
                              status=status, headers=headers)
 
 
@@ -149,9 +153,9 @@ async def offer(request: web.Request) -> web.Response:
     except SdpError as exc:
         return _error(413 if "exceeds" in str(exc) else 400, "invalid_body", str(exc))
     try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return _error(400, "invalid_json", f"request body is not valid JSON: {exc.msg} at position {exc.pos}")
+        body = strict_json_loads(text)
+    except JsonError as exc:
+        return _error(400, "invalid_json", f"request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return _error(400, "invalid_request", "request body must be a JSON object")
     if not isinstance(body.get("sdp"), str):
@@ -178,7 +182,7 @@ async def offer(request: web.Request) -> web.Response:
         return _full(exc)
     except SdpError as exc:
         return _sdp_error(exc)
-    return web.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+    return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
                               "session_id": call.session.id})
 
 
@@ -237,7 +241,7 @@ async def delete_session(request: web.Request) -> web.Response:
 
 async def list_sessions(request: web.Request) -> web.Response:
     manager = request.app[MANAGER_KEY]
-    return web.json_response({
+    return _json_response({
         "capacity": manager.capacity,
         "free": manager.free,
         "sessions": [call.snapshot() for call in manager.calls.values()],
@@ -248,11 +252,11 @@ async def get_session(request: web.Request) -> web.Response:
     call = _call_or_404(request)
     if isinstance(call, web.Response):
         return call
-    return web.json_response(call.snapshot())
+    return _json_response(call.snapshot())
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "version": __version__})
+    return _json_response({"status": "ok", "version": __version__})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -260,11 +264,11 @@ async def readyz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body = {"engine": engine.capabilities.name, "capacity": manager.capacity, "free": manager.free}
     if not engine.running:
-        return web.json_response({"status": "starting", **body}, status=503)
+        return _json_response({"status": "starting", **body}, status=503)
     if manager.free <= 0:
-        return web.json_response({"status": "full", **body}, status=503,
+        return _json_response({"status": "full", **body}, status=503,
                                  headers={"Retry-After": str(request.app[SETTINGS_KEY].session.retry_after_s)})
-    return web.json_response({"status": "ready", **body})
+    return _json_response({"status": "ready", **body})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -9,7 +9,6 @@ interrupt sequence of ARCHITECTURE section 4 atomic.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from lychee_rtc.session.protocol import (
     ProtocolError,
     error_body,
     parse_client_event,
+    strict_json_dumps,
 )
 from lychee_rtc.session.sink import AudioSink
 
@@ -281,7 +281,7 @@ class DuplexSession:
 
     def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
         event = self._stamper.stamp(event_type, **fields)
-        text = json.dumps(event, separators=(",", ":"))
+        text = strict_json_dumps(event)
         if self._send is None:
             self._outbox.append(text)
             while len(self._outbox) > self.settings.event_buffer:
