@@ -8,9 +8,12 @@ import math
 
 import aiohttp
 import pytest
+from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from contract import check_response
-from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
+from lychee_rtc.media.peer import abandon_peer
+from lychee_rtc.server.app import ENGINE_KEY
 from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads
 
 
@@ -77,3 +80,46 @@ def test_strict_json_round_trip():
     assert strict_json_loads('{"a": [1, 2.5, -0.0]}') == {"a": [1, 2.5, -0.0]}
     text = strict_json_dumps({"ok": 1.5, "bad": [math.nan, math.inf], "deep": {"x": -math.inf}})
     assert json.loads(text) == {"ok": 1.5, "bad": [None, None], "deep": {"x": None}}
+
+
+async def bundle_offer_naming_a_missing_mid() -> tuple[RTCPeerConnection, str]:
+    """A real offer edited so BUNDLE lists mid 0 first while the only m-section is mid 1."""
+    pc = RTCPeerConnection()
+    pc.addTransceiver(MicrophoneTrack(), direction="sendonly")
+    await pc.setLocalDescription(await pc.createOffer())
+    sdp = pc.localDescription.sdp.replace("a=group:BUNDLE 0", "a=group:BUNDLE 0 1").replace("a=mid:0", "a=mid:1")
+    return pc, sdp
+
+
+async def test_a_bundle_group_naming_a_missing_mid_is_a_400(echo_server):
+    url, app = echo_server
+    pc, sdp = await bundle_offer_naming_a_missing_mid()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/whip", data=sdp, headers={"Content-Type": "application/sdp"}) as resp:
+                body = await resp.read()
+                assert resp.status == 400, body
+                check_response("/whip", "POST", resp.status, resp.headers, body)
+                assert "a=group:BUNDLE names mid '0'" in json.loads(body)["error"]["message"]
+            status, _, body = await post_offer(url, json.dumps({"sdp": sdp, "type": "offer"}))
+            assert status == 400 and json.loads(body)["error"]["code"] == "invalid_sdp"
+            async with http.get(f"{url}/readyz") as resp:
+                assert resp.status == 200
+        assert app[ENGINE_KEY].free_slots == app[ENGINE_KEY].capabilities.max_sessions
+    finally:
+        await pc.close()
+
+
+async def test_abandoning_a_half_negotiated_peer_connection_is_safe():
+    client, sdp = await bundle_offer_naming_a_missing_mid()
+    pc = RTCPeerConnection()
+    try:
+        with pytest.raises(Exception):  # what aiortc does with it, unvalidated
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+            await pc.createAnswer()
+        # aiortc left a transceiver without a transport, on which its own close() raises.
+        assert [t.receiver.transport for t in pc.getTransceivers()] == [None]
+        await abandon_peer(pc)  # must not raise
+        assert pc.signalingState == "closed"
+    finally:
+        await client.close()

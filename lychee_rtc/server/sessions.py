@@ -23,6 +23,7 @@ from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
+from lychee_rtc.media.peer import abandon_peer
 from lychee_rtc.media.sctp_guard import SctpGuard
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.server.metrics import ServerMetrics
@@ -327,7 +328,7 @@ class SessionManager:
 
     async def _abandon(self, call: RtcCall) -> None:
         call.track.stop()
-        await call.pc.close()
+        await abandon_peer(call.pc)
 
     async def close_all(self, reason: str) -> None:
         """Close every call within ``server.shutdown_grace_s``; calls still open then are torn down."""
