@@ -39,7 +39,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     print(f"lychee-rtc {__version__}: engine {settings.engine.name!r} "
           f"on http://{settings.server.host}:{settings.server.port}", flush=True)
-    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None)
+    from lychee_rtc.server.logs import RedactingAccessLogger
+
+    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None,
+                access_log_class=RedactingAccessLogger)
     return 0
 
 

@@ -260,7 +260,7 @@ async def test_g711_call_echoes(utterance):
         await client.connect()
         try:
             async with aiohttp.ClientSession() as http:
-                async with http.get(f"{url}/v1/sessions/{client.session_id}") as resp:
+                async with http.get(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as resp:
                     assert (await resp.json())["codec"] == "PCMU"
             client.mic.feed(SILENCE)
             client.mic.feed(utterance)

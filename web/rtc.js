@@ -87,6 +87,7 @@ export class RtcCall {
     this.channel = null;
     this.mic = null;
     this.sessionId = null;
+    this.sessionToken = null;
     this.closed = false;
     this.sentCount = 0;
     this.baseUrl = "";
@@ -133,6 +134,7 @@ export class RtcCall {
     if (!response.ok) throw await readError(response);
     const answer = await response.json();
     this.sessionId = answer.session_id;
+    this.sessionToken = answer.session_token; // this session's own secret, for its HTTP resource
     if (this.closed) { // disconnected while the offer was in flight: free the slot it took
       this.#deleteSession();
       return;
@@ -173,7 +175,8 @@ export class RtcCall {
 
   #deleteSession() {
     if (!this.sessionId) return;
-    fetch(`${this.baseUrl}/v1/sessions/${encodeURIComponent(this.sessionId)}`, { method: "DELETE", headers: this.auth })
+    const headers = this.sessionToken ? { Authorization: `Bearer ${this.sessionToken}` } : this.auth;
+    fetch(`${this.baseUrl}/v1/sessions/${encodeURIComponent(this.sessionId)}`, { method: "DELETE", headers })
       .catch(() => { /* the server's connect timeout frees it anyway */ });
   }
 

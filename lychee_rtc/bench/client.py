@@ -143,8 +143,9 @@ class LinkImpairment:
 
 class RtcClient:
     def __init__(self, base_url: str, *, channel_label: str = "events", codec: str | None = None,
-                 jitter_buffer: str = "aiortc") -> None:
+                 jitter_buffer: str = "aiortc", auth_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.auth_token = auth_token  # the server key, when the server wants one to create sessions
         self.jitter_buffer = jitter_buffer  # "aiortc" (a stock aiortc caller) or "lowlatency" (ours)
         self.channel_label = channel_label
         self.codec = codec
@@ -154,6 +155,7 @@ class RtcClient:
         self.events: list[dict[str, Any]] = []
         self.event_times: list[float] = []
         self.session_id: str | None = None
+        self.session_token: str | None = None  # the session's own secret, for its HTTP resource
         self.channel = None
         self._event_signal = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -184,11 +186,13 @@ class RtcClient:
         if session is not None:
             body["session"] = session
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body) as resp:
+            headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
+            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body, headers=headers) as resp:
                 data = await resp.json()
                 if resp.status != 200:
                     raise RuntimeError(f"offer refused: {resp.status} {data}")
         self.session_id = data["session_id"]
+        self.session_token = data.get("session_token")
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=data["sdp"], type="answer"))
         await asyncio.wait_for(self._channel_open.wait(), 20)
 
@@ -214,6 +218,11 @@ class RtcClient:
     async def _notify(self) -> None:
         async with self._event_signal:
             self._event_signal.notify_all()
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers that open this session's resource (``/v1/sessions/{id}``)."""
+        return {"Authorization": f"Bearer {self.session_token}"} if self.session_token else {}
 
     def impair_uplink(self, impairment: LinkImpairment) -> None:
         sender = next(s for s in self.pc.getSenders() if s.track is self.mic)

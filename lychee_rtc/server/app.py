@@ -16,6 +16,9 @@ from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.server import auth
+from lychee_rtc.server.auth import Policy
+from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.sessions import RtcCall, ServerFull, SessionManager
 from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads, validator
@@ -44,6 +47,10 @@ def _error(status: int, code: str, message: str, error_type: str = "invalid_requ
                              status=status, headers=headers)
 
 
+def _unauthorized(message: str) -> web.Response:
+    return _error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
 def _full(exc: ServerFull) -> web.Response:
     return _error(503, "server_full", "all sessions are in use; retry later", "server_error",
                   {"Retry-After": str(exc.retry_after_s)})
@@ -69,11 +76,8 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
             response.headers["Accept-Post"] = "application/sdp"
             response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
     else:
-        token = settings.server.auth_token
-        protected = request.path.startswith(("/v1/", "/whip"))
-        if token and protected and request.headers.get("Authorization") != f"Bearer {token}":
-            response = _error(401, "unauthorized", "missing or wrong bearer token",
-                              headers={"WWW-Authenticate": "Bearer"})
+        if auth.policy_of(request) is Policy.SERVER_KEY and not auth.has_server_key(request, settings.server.auth_token):
+            response = _unauthorized("missing or wrong bearer token")
         else:
             try:
                 response = await handler(request)
@@ -183,7 +187,7 @@ async def offer(request: web.Request) -> web.Response:
     except SdpError as exc:
         return _sdp_error(exc)
     return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
-                              "session_id": call.session.id})
+                              "session_id": call.session.id, "session_token": call.token})
 
 
 async def whip_post(request: web.Request) -> web.Response:
@@ -197,7 +201,7 @@ async def whip_post(request: web.Request) -> web.Response:
         return _full(exc)
     except SdpError as exc:
         return _sdp_error(exc)
-    location = f"/whip/{call.session.id}"
+    location = f"/whip/{call.whip_resource}"
     headers = {"Location": location, **_whip_headers(call)}
     response = web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
                             headers=headers)
@@ -206,15 +210,28 @@ async def whip_post(request: web.Request) -> web.Response:
     return response
 
 
-def _call_or_404(request: web.Request) -> RtcCall | web.Response:
-    call = request.app[MANAGER_KEY].calls.get(request.match_info["session_id"])
+def _session_call(request: web.Request) -> RtcCall | web.Response:
+    """The session named in the path, if the request holds its token (or the server key)."""
+    session_id = request.match_info["session_id"]
+    call = request.app[MANAGER_KEY].calls.get(session_id)
     if call is None:
-        return _error(404, "session_not_found", f"no session {request.match_info['session_id']!r}")
+        return _error(404, "session_not_found", f"no session {session_id!r}")
+    if not auth.may_use_session(request, call.token, request.app[SETTINGS_KEY].server.auth_token):
+        return _unauthorized("this session needs its session_token (or the server key) as bearer token")
     return call
 
 
+def _whip_call(request: web.Request) -> RtcCall | web.Response:
+    """The WHIP resource URL is the session's capability: holding it is the authorisation."""
+    call = request.app[MANAGER_KEY].whip_call(request.match_info["resource_id"])
+    if call is None:
+        return _error(404, "session_not_found", "no such WHIP resource")
+    return call
+
+
+@auth.policy(Policy.SESSION)
 async def whip_patch(request: web.Request) -> web.Response:
-    call = _call_or_404(request)
+    call = _whip_call(request)
     if isinstance(call, web.Response):
         return call
     if request.content_type != WHIP_PATCH_TYPE:
@@ -231,8 +248,18 @@ async def whip_patch(request: web.Request) -> web.Response:
     return web.Response(status=204, headers=_whip_headers(call))
 
 
+@auth.policy(Policy.SESSION)
+async def whip_delete(request: web.Request) -> web.Response:
+    call = _whip_call(request)
+    if isinstance(call, web.Response):
+        return call
+    await request.app[MANAGER_KEY].close(call.session.id, "deleted")
+    return web.Response(status=200)
+
+
+@auth.policy(Policy.SESSION)
 async def delete_session(request: web.Request) -> web.Response:
-    call = _call_or_404(request)
+    call = _session_call(request)
     if isinstance(call, web.Response):
         return call
     await request.app[MANAGER_KEY].close(call.session.id, "deleted")
@@ -248,8 +275,9 @@ async def list_sessions(request: web.Request) -> web.Response:
     })
 
 
+@auth.policy(Policy.SESSION)
 async def get_session(request: web.Request) -> web.Response:
-    call = _call_or_404(request)
+    call = _session_call(request)
     if isinstance(call, web.Response):
         return call
     return _json_response(call.snapshot())
@@ -287,6 +315,7 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 
 def create_app(settings: Settings, engine: Engine | None = None) -> web.Application:
+    install_http_log_filter()
     app = web.Application(middlewares=[cors_and_auth], client_max_size=settings.server.max_sdp_bytes)
     if engine is None:
         engine = Engine(build_backend(settings), settings.session.max_pending_windows)
@@ -301,8 +330,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_get("/v1/sessions/{session_id}", get_session)
     app.router.add_delete("/v1/sessions/{session_id}", delete_session)
     app.router.add_post("/whip", whip_post)
-    app.router.add_patch("/whip/{session_id}", whip_patch)
-    app.router.add_delete("/whip/{session_id}", delete_session)
+    app.router.add_patch("/whip/{resource_id}", whip_patch)
+    app.router.add_delete("/whip/{resource_id}", whip_delete)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if settings.metrics.enabled:

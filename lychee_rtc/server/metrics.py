@@ -46,8 +46,10 @@ class ServerMetrics(SessionObserver):
                                         "Windows dropped because the engine was behind", registry=r)
         self.playout_underrun_samples = Counter("lychee_rtc_playout_underrun_samples_total",
                                                 "Silence played in the middle of a response", registry=r)
-        self.playout_depth = Gauge("lychee_rtc_playout_buffer_depth_seconds", "Queued output audio",
-                                   ["session"], registry=r)
+        # Sampled per session on each watchdog tick; no session ids in labels (they are not public).
+        self.playout_depth = Histogram("lychee_rtc_playout_buffer_depth_seconds", "Queued output audio, sampled",
+                                       buckets=(0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 30.0),
+                                       registry=r)
 
     def window_timing(self, timing: WindowTiming) -> None:
         self.windows.inc()

@@ -26,6 +26,7 @@ from lychee_rtc.media.outbound import PacedAudioTrack
 from lychee_rtc.media.peer import abandon_peer
 from lychee_rtc.media.sctp_guard import SctpGuard
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
+from lychee_rtc.server.auth import new_session_token, new_whip_resource
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.session.session import DuplexSession
@@ -61,6 +62,8 @@ class RtcCall:
     has_audio: bool = False
     folded: dict[str, int] = field(default_factory=dict)  # counters already added to Prometheus
     sctp_guard: SctpGuard | None = None
+    token: str = field(default_factory=new_session_token)  # the session's own secret (server.auth)
+    whip_resource: str | None = None  # the WHIP resource id: a capability, like the token
 
     def snapshot(self) -> dict:
         snap = self.session.snapshot()
@@ -84,6 +87,7 @@ class SessionManager:
         self.engine = engine
         self.metrics = metrics
         self.calls: dict[str, RtcCall] = {}
+        self._whip_resources: dict[str, str] = {}  # WHIP resource id -> session id
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
 
@@ -94,6 +98,10 @@ class SessionManager:
     @property
     def free(self) -> int:
         return self.capacity - len(self.calls) - self._reserved
+
+    def whip_call(self, resource_id: str) -> RtcCall | None:
+        session_id = self._whip_resources.get(resource_id)
+        return self.calls.get(session_id) if session_id is not None else None
 
     def rtc_configuration(self) -> RTCConfiguration:
         # Always explicit: aiortc falls back to a public STUN server when given None.
@@ -141,7 +149,8 @@ class SessionManager:
         session = DuplexSession(session_id, self.settings.session, slot, track, engine_name=caps.name,
                                 observer=self.metrics, options=options, metrics_enabled=metrics)
         track.listener = session
-        call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip)
+        call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip,
+                       whip_resource=new_whip_resource() if whip else None)
         self._wire(call)
         # The transceiver exists before the offer is applied so that our codec preferences shape the
         # negotiation (aiortc picks the common codecs while applying the remote description).
@@ -172,6 +181,8 @@ class SessionManager:
         track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
         call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or session_id}"'
         self.calls[session_id] = call
+        if call.whip_resource is not None:
+            self._whip_resources[call.whip_resource] = session_id
         self.metrics.sessions_total.inc()
         self.metrics.active_sessions.set(len(self.calls))
         session.on_close = lambda reason: self._teardown(call, reason)
@@ -263,6 +274,7 @@ class SessionManager:
                 await asyncio.sleep(WATCHDOG_PERIOD_S)
                 now = time.monotonic()
                 self._fold_counters(call)
+                self.metrics.playout_depth.observe(call.track.depth_ms / 1000.0)
                 if call.connected_at is None:
                     if now - session.created_at > s.connect_timeout_s:
                         await self.close(session.id, "connect_timeout")
@@ -296,7 +308,6 @@ class SessionManager:
             if delta > 0:
                 targets[key].inc(delta)
             call.folded[key] = value
-        self.metrics.playout_depth.labels(call.session.id).set(call.track.depth_ms / 1000.0)
 
     async def close(self, session_id: str, reason: str) -> bool:
         call = self.calls.get(session_id)
@@ -308,9 +319,10 @@ class SessionManager:
     async def _teardown(self, call: RtcCall, reason: str) -> None:
         if self.calls.pop(call.session.id, None) is None:
             return
+        if call.whip_resource is not None:
+            self._whip_resources.pop(call.whip_resource, None)
         log.info("session %s closed: %s", call.session.id, reason)
         self._fold_counters(call)
-        self.metrics.playout_depth.remove(call.session.id)
         self.metrics.active_sessions.set(len(self.calls))
         current = asyncio.current_task()
         for task in call.tasks:
@@ -351,7 +363,8 @@ class SessionManager:
 
     async def _force_teardown(self, call: RtcCall, reason: str) -> None:
         self.calls.pop(call.session.id, None)
-        self.metrics.playout_depth.remove(call.session.id)
+        if call.whip_resource is not None:
+            self._whip_resources.pop(call.whip_resource, None)
         self.metrics.active_sessions.set(len(self.calls))
         for task in call.tasks:
             task.cancel()
