@@ -21,6 +21,9 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+from lychee_rtc.media.codec_threads import limit_codec_threads
+from lychee_rtc.pcm import FrameResampler
+
 RATE = 48000
 FRAME = RATE // 50  # 20 ms
 
@@ -144,6 +147,7 @@ class LinkImpairment:
 class RtcClient:
     def __init__(self, base_url: str, *, channel_label: str = "events", codec: str | None = None,
                  jitter_buffer: str = "aiortc", auth_token: str | None = None) -> None:
+        limit_codec_threads()
         self.base_url = base_url.rstrip("/")
         self.auth_token = auth_token  # the server key, when the server wants one to create sessions
         self.jitter_buffer = jitter_buffer  # "aiortc" (a stock aiortc caller) or "lowlatency" (ours)
@@ -197,17 +201,20 @@ class RtcClient:
         await asyncio.wait_for(self._channel_open.wait(), 20)
 
     async def _record(self, track) -> None:
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            arrival = time.monotonic()
-            offset = int(frame.pts * frame.time_base * RATE) if frame.pts is not None else 0
-            pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in resampler.resample(frame)] or
-                                 [np.zeros(0, np.float32)])
-            self.received.chunks.append((offset, pcm.astype(np.float32), arrival))
+        resampler = FrameResampler("flt", "mono", RATE)
+        try:
+            while True:
+                try:
+                    frame = await track.recv()
+                except MediaStreamError:
+                    return
+                arrival = time.monotonic()
+                offset = int(frame.pts * frame.time_base * RATE) if frame.pts is not None else 0
+                pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in resampler.resample(frame)] or
+                                     [np.zeros(0, np.float32)])
+                self.received.chunks.append((offset, pcm.astype(np.float32), arrival))
+        finally:
+            resampler.close()
 
     def _on_message(self, message: str) -> None:
         event = json.loads(message)

@@ -124,6 +124,7 @@ class PacedAudioTrack(MediaStreamTrack):
         old = self._buffer
         playing = old.playing
         self._fold_counters(old.counters)
+        old.close()
         self._buffer = self._new_buffer(new_epoch)
         return CutReport(
             old_epoch=old.epoch,
@@ -133,6 +134,10 @@ class PacedAudioTrack(MediaStreamTrack):
             sample_offset=self.sent_samples,
             rate=self.out_rate,
         )
+
+    def stop(self) -> None:
+        super().stop()
+        self._buffer.close()
 
     def playout_counters(self) -> PlayoutCounters:
         live = self._buffer.counters

@@ -112,6 +112,12 @@ class PlayoutBuffer:
                 self._playing = None
         return out, marks
 
+    def close(self) -> None:
+        """Free the response resampler now; the buffer is not written to afterwards."""
+        if self._writer is not None:
+            self._writer[1].close()
+            self._writer = None
+
     def discard(self, n: int) -> int:
         """Drop up to ``n`` of the oldest queued samples (end markers stay); returns how many."""
         dropped = 0
@@ -127,7 +133,7 @@ class PlayoutBuffer:
 
     def _resampler_for(self, response_id: str) -> PcmResampler:
         if self._writer is None or self._writer[0] != response_id:
-            if self._writer is not None:  # previous response never ended: keep its tail
+            if self._writer is not None:  # previous response never ended: keep its tail (flush frees it)
                 self._append(self._writer[0], self._writer[1].flush())
             self._writer = (response_id, PcmResampler(self.in_rate, self.out_rate))
         return self._writer[1]

@@ -20,6 +20,7 @@ from aiortc.sdp import candidate_from_sdp
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine
+from lychee_rtc.media.codec_threads import limit_codec_threads
 from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
@@ -88,6 +89,7 @@ class SessionManager:
         self.metrics = metrics
         self.calls: dict[str, RtcCall] = {}
         self._whip_resources: dict[str, str] = {}  # WHIP resource id -> session id
+        limit_codec_threads()
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
 
