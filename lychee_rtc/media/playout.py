@@ -51,7 +51,8 @@ class PlayoutBuffer:
         self._size = 0
         self._writer: tuple[str, PcmResampler] | None = None
         self._playing: str | None = None  # response whose samples are being read
-        self._played: dict[str, int] = {}  # played samples per response, for the ledger
+        # Played samples of the responses still queued or playing; an entry goes when its response ends.
+        self._played: dict[str, int] = {}
 
     @property
     def depth_samples(self) -> int:
@@ -85,12 +86,13 @@ class PlayoutBuffer:
             seg = self._segments[0]
             if seg.end:
                 self._segments.popleft()
-                marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.get(seg.response_id, 0)))
+                marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.pop(seg.response_id, 0)))
                 if self._playing == seg.response_id:
                     self._playing = None
                 continue
             if self._playing != seg.response_id:
                 self._playing = seg.response_id
+                self._forget_finished(seg.response_id)
                 self._played.setdefault(seg.response_id, 0)
                 marks.append(PlayoutMark("started", seg.response_id, pos))
             take = min(n - pos, len(seg.samples))
@@ -107,10 +109,16 @@ class PlayoutBuffer:
         # A response that ended exactly on the frame boundary reports its end now, not a frame late.
         if self._segments and self._segments[0].end:
             seg = self._segments.popleft()
-            marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.get(seg.response_id, 0)))
+            marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.pop(seg.response_id, 0)))
             if self._playing == seg.response_id:
                 self._playing = None
         return out, marks
+
+    def _forget_finished(self, playing: str) -> None:
+        """Drop the counts of responses that ended without an end mark (superseded): nothing of them is left."""
+        queued = {seg.response_id for seg in self._segments}
+        for response_id in [r for r in self._played if r != playing and r not in queued]:
+            del self._played[response_id]
 
     def close(self) -> None:
         """Free the response resampler now; the buffer is not written to afterwards."""
