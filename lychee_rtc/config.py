@@ -74,6 +74,8 @@ class RtcSettings(_Section):
     # Inbound jitter handling: "lowlatency" is ours, "aiortc" keeps the library default.
     jitter_buffer: Literal["lowlatency", "aiortc"] = "lowlatency"
     jitter_target_ms: int = Field(40, ge=20, le=400)
+    # ICE consent (RFC 7675): the media path is given up when no consent check was answered this long.
+    ice_consent_timeout_s: float = Field(30.0, ge=2, le=300)
 
 
 class SessionSettings(_Section):

@@ -20,6 +20,9 @@ class ServerMetrics(SessionObserver):
         self.active_sessions = Gauge("lychee_rtc_active_sessions", "Sessions with an engine slot", registry=r)
         self.sessions_total = Counter("lychee_rtc_sessions_total", "Sessions created", registry=r)
         self.sessions_refused = Counter("lychee_rtc_sessions_refused_total", "Offers refused: capacity full", registry=r)
+        # By close reason: the server's own fixed vocabulary (session.closed's reasons), never an id.
+        self.sessions_closed = Counter("lychee_rtc_sessions_closed_total", "Sessions ended, by reason", ["reason"],
+                                       registry=r)
         self.windows = Counter("lychee_rtc_windows_total", "Engine windows processed", registry=r)
         self.step_seconds = Histogram("lychee_rtc_engine_step_seconds",
                                       "Batched engine step time (deadline: one window)", buckets=STEP_BUCKETS,

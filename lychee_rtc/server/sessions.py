@@ -21,6 +21,7 @@ from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.codec_threads import limit_codec_threads
+from lychee_rtc.media.consent import install_consent_freshness
 from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
@@ -65,6 +66,7 @@ class RtcCall:
     sctp_guard: SctpGuard | None = None
     token: str = field(default_factory=new_session_token)  # the session's own secret (server.auth)
     whip_resource: str | None = None  # the WHIP resource id: a capability, like the token
+    transport_failure: str | None = None  # why the media path failed, when the transport knows
 
     def snapshot(self) -> dict:
         snap = self.session.snapshot()
@@ -161,6 +163,8 @@ class SessionManager:
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
             self._guard_data_channel(call)
+            install_consent_freshness(pc, self.settings.rtc.ice_consent_timeout_s,
+                                      lambda: self._consent_expired(call))
             for other in pc.getTransceivers():
                 if other is not transceiver:
                     other.direction = "inactive"  # video or a second audio line: not received at all
@@ -191,6 +195,11 @@ class SessionManager:
         session.start()
         call.tasks.append(asyncio.create_task(self._watchdog(call), name=f"watchdog-{session_id}"))
         return call
+
+    def _consent_expired(self, call: RtcCall) -> None:
+        call.transport_failure = "ice_consent_expired"
+        log.warning("session %s: ICE consent expired: no consent check answered for %.0f s; closing the call",
+                    call.session.id, self.settings.rtc.ice_consent_timeout_s)
 
     def _guard_data_channel(self, call: RtcCall) -> None:
         """Bound data-channel messages while their fragments arrive (and advertise the bound)."""
@@ -239,7 +248,7 @@ class SessionManager:
             if pc.connectionState == "connected" and call.connected_at is None:
                 call.connected_at = time.monotonic()
             elif pc.connectionState in ("failed", "closed"):
-                await self.close(session.id, f"connection_{pc.connectionState}")
+                await self.close(session.id, call.transport_failure or f"connection_{pc.connectionState}")
 
     # --- trickle ICE (WHIP PATCH) ------------------------------------------------------------------
 
@@ -324,6 +333,7 @@ class SessionManager:
         if call.whip_resource is not None:
             self._whip_resources.pop(call.whip_resource, None)
         log.info("session %s closed: %s", call.session.id, reason)
+        self.metrics.sessions_closed.labels(reason).inc()
         self._fold_counters(call)
         self.metrics.active_sessions.set(len(self.calls))
         current = asyncio.current_task()
@@ -365,6 +375,7 @@ class SessionManager:
 
     async def _force_teardown(self, call: RtcCall, reason: str) -> None:
         self.calls.pop(call.session.id, None)
+        self.metrics.sessions_closed.labels(reason).inc()
         if call.whip_resource is not None:
             self._whip_resources.pop(call.whip_resource, None)
         self.metrics.active_sessions.set(len(self.calls))
