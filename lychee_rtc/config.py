@@ -91,6 +91,10 @@ class SessionSettings(_Section):
     # Server VAD barge-in: user speech during audible playback interrupts the response.
     vad_barge_in: bool = True
     event_buffer: int = Field(256, ge=8, le=65536)
+    # Resume: after the media path is lost, a new offer with the session's token may re-attach within
+    # this long (0: a lost path ends the session); the last events are kept for it to replay.
+    resume_window_s: float = Field(30.0, ge=0, le=3600)
+    resume_journal_events: int = Field(512, ge=16, le=65536)
     retry_after_s: int = Field(5, ge=1)
 
 

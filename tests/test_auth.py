@@ -49,7 +49,8 @@ async def test_a_session_token_opens_its_own_session_only_and_the_server_key_ope
                 status, body, headers = await call(method, url + path, bearer(a.session_token))
                 assert status == 401, (method, path, body)
                 check_response(path.replace(b.session_id, "{session_id}"), method, status, headers, body)
-            status, _, _ = await call("POST", f"{url}/v1/rtc/offer", bearer(a.session_token), json={})
+            status, _, _ = await call("POST", f"{url}/v1/rtc/offer", bearer(a.session_token),
+                                      json={"sdp": "v=0", "type": "offer"})
             assert status == 401
             # The server key is the admin: it lists and opens every session.
             status, body, _ = await call("GET", f"{url}/v1/sessions", KEY)

@@ -15,7 +15,7 @@ from lychee_rtc.media.consent import _ice_connections
 async def test_expired_consent_closes_the_call_with_its_real_reason(caplog):
     caplog.set_level(logging.WARNING, logger="lychee_rtc")
     # Media keeps flowing (no media timeout); only consent checks go unanswered.
-    async with running_server(rtc={"ice_consent_timeout_s": 3.0}, session={"media_timeout_s": 120}) as (url, _):
+    async with running_server(rtc={"ice_consent_timeout_s": 3.0}, session={"media_timeout_s": 120, "resume_window_s": 1.0}) as (url, _):
         client = RtcClient(url)
         await client.connect()
         try:

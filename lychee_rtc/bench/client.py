@@ -165,7 +165,8 @@ class RtcClient:
         self._tasks: list[asyncio.Task] = []
         self._channel_open = asyncio.Event()
 
-    async def connect(self, session: dict[str, Any] | None = None) -> None:
+    async def connect(self, session: dict[str, Any] | None = None, resume: dict[str, Any] | None = None) -> None:
+        """Offer and apply the answer; ``resume`` ({session_id, session_token, last_seq}) re-attaches a session."""
         transceiver = self.pc.addTransceiver(self.mic, direction="sendrecv")
         if self.codec is not None:
             from aiortc import RTCRtpSender
@@ -189,6 +190,8 @@ class RtcClient:
         body: dict[str, Any] = {"sdp": self.pc.localDescription.sdp, "type": "offer"}
         if session is not None:
             body["session"] = session
+        if resume is not None:
+            body["resume"] = resume
         async with aiohttp.ClientSession() as http:
             headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
             async with http.post(f"{self.base_url}/v1/rtc/offer", json=body, headers=headers) as resp:

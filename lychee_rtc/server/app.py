@@ -20,7 +20,7 @@ from lychee_rtc.server import auth
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.metrics import ServerMetrics
-from lychee_rtc.server.sessions import RtcCall, ServerFull, SessionManager
+from lychee_rtc.server.sessions import ResumeRefused, RtcCall, ServerFull, SessionManager
 from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads, validator
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 # --- handlers --------------------------------------------------------------------------------------
 
 
+@auth.policy(Policy.SESSION)  # a new session needs the server key, a resume the session's token
 async def offer(request: web.Request) -> web.Response:
     manager = request.app[MANAGER_KEY]
     try:
@@ -166,9 +167,13 @@ async def offer(request: web.Request) -> web.Response:
         return _error(400, "invalid_request", "field 'sdp' (string) is required")
     if body.get("type") != "offer":
         return _error(400, "invalid_request", "field 'type' must be \"offer\"")
-    unknown = set(body) - {"sdp", "type", "session"}
+    unknown = set(body) - {"sdp", "type", "session", "resume"}
     if unknown:
         return _error(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+    if "resume" in body:
+        return await _resume(request, body)
+    if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
+        return _unauthorized("missing or wrong bearer token")
     raw_session = body.get("session")
     if raw_session is not None:
         errors = list(validator("session_config").iter_errors(raw_session))
@@ -187,7 +192,29 @@ async def offer(request: web.Request) -> web.Response:
     except SdpError as exc:
         return _sdp_error(exc)
     return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
-                              "session_id": call.session.id, "session_token": call.token})
+                           "session_id": call.session.id, "session_token": call.token})
+
+
+async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
+    """Re-attach an existing session to this offer's new peer connection (see SessionManager.resume)."""
+    resume = body["resume"]
+    errors = list(validator("resume").iter_errors(resume))
+    if errors:
+        where = "/".join(str(p) for p in errors[0].path)
+        return _error(400, "invalid_resume", f"resume{'/' + where if where else ''}: {errors[0].message}")
+    if "session" in body:
+        return _error(400, "invalid_request", "a resumed session keeps its options: send no 'session' object")
+    try:
+        call = await request.app[MANAGER_KEY].resume(resume["session_id"], resume["session_token"], body["sdp"],
+                                                     resume.get("last_seq", 0))
+    except ResumeRefused as exc:
+        if exc.status == 401:
+            return _unauthorized(exc.message)
+        return _error(exc.status, exc.code, exc.message)
+    except SdpError as exc:
+        return _sdp_error(exc)
+    return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+                           "session_id": call.session.id, "session_token": call.token})
 
 
 async def whip_post(request: web.Request) -> web.Response:

@@ -23,6 +23,8 @@ class ServerMetrics(SessionObserver):
         # By close reason: the server's own fixed vocabulary (session.closed's reasons), never an id.
         self.sessions_closed = Counter("lychee_rtc_sessions_closed_total", "Sessions ended, by reason", ["reason"],
                                        registry=r)
+        self.sessions_resumed = Counter("lychee_rtc_sessions_resumed_total",
+                                        "Sessions re-attached to a new connection after losing theirs", registry=r)
         self.windows = Counter("lychee_rtc_windows_total", "Engine windows processed", registry=r)
         self.step_seconds = Histogram("lychee_rtc_engine_step_seconds",
                                       "Batched engine step time (deadline: one window)", buckets=STEP_BUCKETS,

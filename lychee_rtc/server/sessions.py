@@ -28,7 +28,7 @@ from lychee_rtc.media.outbound import PacedAudioTrack
 from lychee_rtc.media.peer import abandon_peer
 from lychee_rtc.media.sctp_guard import SctpGuard
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
-from lychee_rtc.server.auth import new_session_token, new_whip_resource
+from lychee_rtc.server.auth import new_session_token, new_whip_resource, secret_matches
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.session.session import DuplexSession
@@ -42,6 +42,12 @@ WATCHDOG_PERIOD_S = 0.25
 EVENT_DRAIN_S = 0.5
 # A call forced closed at the end of the shutdown grace gets this long to close its transport.
 FORCED_CLOSE_S = 1.0
+
+
+class ResumeRefused(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
 
 
 class ServerFull(Exception):
@@ -67,15 +73,23 @@ class RtcCall:
     token: str = field(default_factory=new_session_token)  # the session's own secret (server.auth)
     whip_resource: str | None = None  # the WHIP resource id: a capability, like the token
     transport_failure: str | None = None  # why the media path failed, when the transport knows
+    watchdog: asyncio.Task | None = None
+    negotiated_at: float | None = None  # when the current peer connection was answered
+    suspended_at: float | None = None  # the media path was lost then; the session waits for a resume
+    suspend_reason: str | None = None
+    resuming: bool = False
+    resume_from: int | None = None  # last event seq the resuming client has, until its channel opens
+    resumes: int = 0
 
     def snapshot(self) -> dict:
         snap = self.session.snapshot()
-        snap["connection_state"] = self.pc.connectionState
+        snap["connection_state"] = "suspended" if self.suspended_at is not None else self.pc.connectionState
         snap["codec"] = self.codec
         snap["counters"].update({
             "inbound_frames": self.inbound.frames,
             "inbound_gaps": self.inbound.gaps,
             "inbound_reordered_frames": self.inbound.reordered_frames,
+            "resumes": self.resumes,
             "outbound_frames": self.track.counters.frames,
             "outbound_stale_chunks": self.track.counters.stale_chunks,
             "playout_underrun_samples": self.track.playout_counters().underrun_samples,
@@ -146,16 +160,33 @@ class SessionManager:
 
     async def _connect(self, slot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
         caps = self.engine.capabilities
-        pc = RTCPeerConnection(self.rtc_configuration())
-        track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
-                                live=caps.live_passthrough)
+        track = self._new_track()
         session_id = "sess_" + secrets.token_hex(8)
         session = DuplexSession(session_id, self.settings.session, slot, track, engine_name=caps.name,
                                 observer=self.metrics, options=options, metrics_enabled=metrics)
-        track.listener = session
-        call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip,
-                       whip_resource=new_whip_resource() if whip else None)
-        self._wire(call)
+        call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
+                       whip=whip, whip_resource=new_whip_resource() if whip else None)
+        await self._negotiate(call, offer_sdp)
+        self.calls[session_id] = call
+        if call.whip_resource is not None:
+            self._whip_resources[call.whip_resource] = session_id
+        self.metrics.sessions_total.inc()
+        self.metrics.active_sessions.set(len(self.calls))
+        session.on_close = lambda reason: self._teardown(call, reason)
+        session.start()
+        call.watchdog = asyncio.create_task(self._watchdog(call), name=f"watchdog-{session_id}")
+        return call
+
+    def _new_track(self) -> PacedAudioTrack:
+        caps = self.engine.capabilities
+        return PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
+                               live=caps.live_passthrough)
+
+    async def _negotiate(self, call: RtcCall, offer_sdp: str) -> None:
+        """Answer ``offer_sdp`` on ``call.pc`` with ``call.track``; on failure the peer is abandoned."""
+        pc, track = call.pc, call.track
+        track.listener = call.session
+        self._wire(call, pc)
         # The transceiver exists before the offer is applied so that our codec preferences shape the
         # negotiation (aiortc picks the common codecs while applying the remote description).
         transceiver = pc.addTransceiver(track, direction="sendrecv")
@@ -164,39 +195,88 @@ class SessionManager:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
             self._guard_data_channel(call)
             install_consent_freshness(pc, self.settings.rtc.ice_consent_timeout_s,
-                                      lambda: self._consent_expired(call))
+                                      lambda: self._consent_expired(call, pc))
             for other in pc.getTransceivers():
                 if other is not transceiver:
                     other.direction = "inactive"  # video or a second audio line: not received at all
             await pc.setLocalDescription(await pc.createAnswer())
         except OperationError:
-            await self._abandon(call)
+            await self._abandon(pc, track)
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True) from None
         except BaseException as exc:  # aiortc's parsers raise assorted errors on bad SDP
-            await self._abandon(call)
+            await self._abandon(pc, track)
             if not isinstance(exc, Exception):
                 raise
             raise SdpError(f"cannot use SDP offer: {exc}") from None
         codec = negotiated_audio_codec(pc.localDescription.sdp)
         if codec is None:
-            await self._abandon(call)
+            await self._abandon(pc, track)
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True)
         call.codec = codec[0]
         track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
-        call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or session_id}"'
-        self.calls[session_id] = call
-        if call.whip_resource is not None:
-            self._whip_resources[call.whip_resource] = session_id
-        self.metrics.sessions_total.inc()
-        self.metrics.active_sessions.set(len(self.calls))
-        session.on_close = lambda reason: self._teardown(call, reason)
-        session.start()
-        call.tasks.append(asyncio.create_task(self._watchdog(call), name=f"watchdog-{session_id}"))
-        return call
+        call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
+        call.negotiated_at = time.monotonic()
 
-    def _consent_expired(self, call: RtcCall) -> None:
+    # --- losing the media path, and resuming -------------------------------------------------------
+
+    async def lose_path(self, call: RtcCall, reason: str) -> None:
+        """The media path is gone: keep the session for ``session.resume_window_s``, or close it."""
+        session = call.session
+        if session.closed or call.suspended_at is not None:
+            return
+        if self.settings.session.resume_window_s <= 0 or self.closing:
+            await self.close(session.id, reason)
+            return
+        call.suspended_at, call.suspend_reason = time.monotonic(), reason
+        log.info("session %s: media path lost (%s); it may resume within %.0f s", session.id, reason,
+                 self.settings.session.resume_window_s)
+        session.suspend(reason)
+        pc, track, tasks = call.pc, call.track, call.tasks
+        call.tasks = []
+        current = asyncio.current_task()
+        for task in tasks:
+            if task is not current:
+                task.cancel()
+        await self._abandon(pc, track)
+
+    async def resume(self, session_id: str, session_token: str, offer_sdp: str, last_seq: int) -> RtcCall:
+        """Re-attach session ``session_id`` to a new peer connection answering ``offer_sdp``.
+
+        The old connection, if the server still thinks it alive, is dropped for good first. The
+        session keeps its engine slot (the model's context), its epoch counter and its event
+        sequence; the new channel first gets the events after ``last_seq`` from the journal.
+        """
+        validate_offer(offer_sdp)
+        call = self.calls.get(session_id)
+        if call is None or call.session.closed or self.closing:
+            raise ResumeRefused(404, "session_not_found", f"no session {session_id!r} to resume")
+        if not secret_matches(session_token, call.token):
+            raise ResumeRefused(401, "unauthorized", "wrong session_token for this session")
+        if call.resuming:
+            raise ResumeRefused(409, "resume_in_progress", "this session is already being resumed")
+        call.resuming = True
+        try:
+            await self.lose_path(call, "replaced")
+            if call.session.closed:
+                raise ResumeRefused(404, "session_not_found", f"no session {session_id!r} to resume")
+            call.pc, call.track = RTCPeerConnection(self.rtc_configuration()), self._new_track()
+            call.has_audio, call.connected_at, call.transport_failure = False, None, None
+            await self._negotiate(call, offer_sdp)  # on failure the session stays suspended
+            call.session.rebind_sink(call.track)
+            call.resume_from = max(0, int(last_seq))
+            call.suspended_at = None
+            call.resumes += 1
+            self.metrics.sessions_resumed.inc()
+            log.info("session %s resumed (from event %d)", session_id, call.resume_from)
+            return call
+        finally:
+            call.resuming = False
+
+    def _consent_expired(self, call: RtcCall, pc: RTCPeerConnection) -> None:
+        if call.pc is not pc:
+            return
         call.transport_failure = "ice_consent_expired"
         log.warning("session %s: ICE consent expired: no consent check answered for %.0f s; closing the call",
                     call.session.id, self.settings.rtc.ice_consent_timeout_s)
@@ -220,11 +300,13 @@ class SessionManager:
         return [available[CODEC_MIME[name].lower()] for name in self.settings.rtc.codecs
                 if CODEC_MIME[name].lower() in available]
 
-    def _wire(self, call: RtcCall) -> None:
-        pc, session = call.pc, call.session
+    def _wire(self, call: RtcCall, pc: RTCPeerConnection) -> None:
+        session = call.session
 
         @pc.on("track")
         def on_track(track) -> None:
+            if call.pc is not pc:
+                return
             # aiortc queues received frames without bound until someone reads them, so every track
             # is consumed: the first audio track feeds the session, anything else is drained.
             if track.kind == "audio" and not call.has_audio:
@@ -239,16 +321,26 @@ class SessionManager:
         def on_datachannel(channel) -> None:
             if channel.label not in EVENT_CHANNEL_LABELS:
                 return
+            if call.pc is not pc:
+                return
             channel.on("message", session.handle_message)
             channel.on("close", lambda: session.detach_channel(channel.send))
-            session.attach_channel(channel.send, lambda: channel.bufferedAmount)
+            if call.resume_from is not None:
+                last_seq, call.resume_from = call.resume_from, None
+                session.resume_channel(channel.send, lambda: channel.bufferedAmount, last_seq)
+            else:
+                session.attach_channel(channel.send, lambda: channel.bufferedAmount)
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
+            if call.pc is not pc or call.suspended_at is not None:  # replaced, or already given up
+                return
             if pc.connectionState == "connected" and call.connected_at is None:
                 call.connected_at = time.monotonic()
-            elif pc.connectionState in ("failed", "closed"):
-                await self.close(session.id, call.transport_failure or f"connection_{pc.connectionState}")
+            elif pc.connectionState == "closed":  # the peer closed DTLS: it hung up on purpose
+                await self.close(session.id, call.transport_failure or "connection_closed")
+            elif pc.connectionState == "failed":  # the path broke: the client may come back
+                await self.lose_path(call, call.transport_failure or "connection_failed")
 
     # --- trickle ICE (WHIP PATCH) ------------------------------------------------------------------
 
@@ -286,15 +378,16 @@ class SessionManager:
                 now = time.monotonic()
                 self._fold_counters(call)
                 self.metrics.playout_depth.observe(call.track.depth_ms / 1000.0)
-                if call.connected_at is None:
-                    if now - session.created_at > s.connect_timeout_s:
-                        await self.close(session.id, "connect_timeout")
-                    continue
-                last = session.last_audio_at or call.connected_at
-                if now - last > s.media_timeout_s:
-                    await self.close(session.id, "media_timeout")
-                elif now - session.created_at > s.max_duration_s:
+                if now - session.created_at > s.max_duration_s:
                     await self.close(session.id, "max_duration")
+                elif call.suspended_at is not None:
+                    if now - call.suspended_at > s.resume_window_s and not call.resuming:
+                        await self.close(session.id, call.suspend_reason or "connection_lost")
+                elif call.connected_at is None:
+                    if now - (call.negotiated_at or session.created_at) > s.connect_timeout_s:
+                        await self.lose_path(call, "connect_timeout")
+                elif now - max(session.last_audio_at or 0.0, call.connected_at) > s.media_timeout_s:
+                    await self.lose_path(call, "media_timeout")
         except asyncio.CancelledError:
             pass
 
@@ -337,12 +430,11 @@ class SessionManager:
         self._fold_counters(call)
         self.metrics.active_sessions.set(len(self.calls))
         current = asyncio.current_task()
-        for task in call.tasks:
-            if task is not current:
+        for task in [*call.tasks, call.watchdog]:
+            if task is not None and task is not current:
                 task.cancel()
-        call.track.stop()
         await self._drain_events(call)
-        await call.pc.close()
+        await self._abandon(call.pc, call.track)
 
     async def _drain_events(self, call: RtcCall) -> None:
         """Give the last events (session.closed above all) a moment to leave before the SCTP abort."""
@@ -350,9 +442,9 @@ class SessionManager:
         while call.session.buffered_events() > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def _abandon(self, call: RtcCall) -> None:
-        call.track.stop()
-        await abandon_peer(call.pc)
+    async def _abandon(self, pc: RTCPeerConnection, track: PacedAudioTrack) -> None:
+        track.stop()
+        await abandon_peer(pc)
 
     async def close_all(self, reason: str) -> None:
         """Close every call within ``server.shutdown_grace_s``; calls still open then are torn down."""
@@ -379,8 +471,9 @@ class SessionManager:
         if call.whip_resource is not None:
             self._whip_resources.pop(call.whip_resource, None)
         self.metrics.active_sessions.set(len(self.calls))
-        for task in call.tasks:
-            task.cancel()
+        for task in [*call.tasks, call.watchdog]:
+            if task is not None:
+                task.cancel()
         call.track.stop()
         # The engine frees the slot when it stops; the transport gets a bounded chance to close.
         closing = asyncio.ensure_future(call.pc.close())

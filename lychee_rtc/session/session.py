@@ -123,6 +123,10 @@ class DuplexSession:
         self._close_task: asyncio.Task | None = None
         self._stamper = EventStamper()
         self._outbox: deque[str] = deque()
+        # The latest events, as sent, for a client that resumes after losing its connection.
+        self._journal: deque[tuple[int, str]] = deque(maxlen=settings.resume_journal_events)
+        self.suspended = False  # the media path is gone; the session waits for a resume
+        self._resync_uplink = False
         self._send: Callable[[str], None] | None = None
         self._buffered: Callable[[], int] = lambda: 0
         self._tasks: list[asyncio.Task] = []
@@ -237,10 +241,41 @@ class DuplexSession:
         if send is None or self._send == send:
             self._send = None
 
+    # --- losing and resuming the transport ----------------------------------------------------------
+
+    def suspend(self, reason: str) -> None:
+        """The media path is gone (the session, its engine slot and context stay): stop sending, and
+        cancel what was being said, since nobody heard it."""
+        if self.closed or self.suspended:
+            return
+        self.suspended = True
+        self._send = None
+        if self.active_response is not None:
+            self.interrupt("connection_lost")
+
+    def rebind_sink(self, sink: AudioSink) -> None:
+        """A new transport plays the audio from now on, starting at the current epoch."""
+        sink.cut(self.epoch)
+        self.sink = sink
+        self._resync_uplink = True
+
+    def resume_channel(self, send: Callable[[str], None], buffered: Callable[[], int], last_seq: int) -> None:
+        """Attach a resumed client's channel: replay what it missed from the journal, then say so."""
+        self.suspended = False
+        self._send, self._buffered = send, buffered
+        self._outbox.clear()  # the journal holds all of it
+        first = self._journal[0][0] if self._journal else last_seq + 1
+        lost = max(0, first - last_seq - 1)
+        replay = [text for seq, text in self._journal if seq > last_seq]
+        for text in replay:
+            self._transmit(text)
+        self.emit("session.resumed", session=self.describe(), replayed=len(replay), lost=lost)
+
     def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
         if self.closed:
             return
         now = self.clock() if now is None else now
+        self._resync(now)
         self.last_audio_at = now
         self.counters.input_samples += len(samples)
         self._forward_windows(self.window_clock.write(samples, now))
@@ -249,8 +284,14 @@ class DuplexSession:
         if self.closed:
             return
         now = self.clock() if now is None else now
+        self._resync(now)
         self.last_audio_at = now
         self._forward_windows(self.window_clock.gap(n, now, fill))
+
+    def _resync(self, now: float) -> None:
+        if self._resync_uplink:
+            self._resync_uplink = False
+            self._forward_windows(self.window_clock.resync(now))
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))
@@ -282,6 +323,7 @@ class DuplexSession:
     def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
         event = self._stamper.stamp(event_type, **fields)
         text = strict_json_dumps(event)
+        self._journal.append((event["seq"], text))
         if self._send is None:
             self._outbox.append(text)
             while len(self._outbox) > self.settings.event_buffer:
