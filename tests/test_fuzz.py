@@ -13,6 +13,7 @@ import os
 
 import aiohttp
 from aiortc import RTCPeerConnection
+from aiortc.exceptions import InvalidStateError
 
 from conftest import running_server
 from fuzzcases import client_message, offer_body, sdp_offer
@@ -35,6 +36,17 @@ async def real_offer() -> str:
     sdp = pc.localDescription.sdp
     await pc.close()
     return sdp
+
+
+def try_send(client: RtcClient, text: str) -> bool:
+    """False once the channel is closing (the session ended itself: a generated session.close)."""
+    if client.channel.readyState != "open":
+        return False
+    try:
+        client.channel.send(text)
+    except InvalidStateError:
+        return False
+    return True
 
 
 def no_tracebacks(caplog) -> list[str]:
@@ -85,8 +97,9 @@ async def test_fuzz_data_channel(caplog):
         try:
             i = 0
             while i < DC_CASES:
-                if client is None or client.events_of("session.closed"):
-                    if client is not None:
+                if client is None or client.channel.readyState != "open":
+                    if client is not None:  # a generated session.close ended it: it must have said so
+                        await client.wait_event("session.closed", timeout=20)
                         await client.close()
                     client = RtcClient(url)
                     await client.connect()
@@ -95,17 +108,15 @@ async def test_fuzz_data_channel(caplog):
                     await client.wait_event("session.created")
                     sessions += 1
                 for _ in range(min(DC_BURST, DC_CASES - i)):
-                    client.channel.send(client_message(SEED, i))
+                    if not try_send(client, client_message(SEED, i)):
+                        break
                     i += 1
-                if client.events_of("session.closed"):
-                    continue
                 # A ping after the burst: once it is answered, every case before it was handled. (A ping
                 # can meet an empty rate-limit bucket; it is then asked again.)
                 for attempt in range(30):
-                    if client.events_of("session.closed"):
-                        break
                     marker = float(i) + attempt / 100
-                    client.send({"type": "ping", "client_time": marker})
+                    if not try_send(client, json.dumps({"type": "ping", "client_time": marker})):
+                        break
                     try:
                         await client.wait_event("pong", timeout=2, client_time=marker)
                         break

@@ -45,6 +45,17 @@ class SctpGuardCounters:
     overflows: int = 0
 
 
+def undelivered_chunks(transport: RTCSctpTransport | None) -> int:
+    """DATA chunks handed to SCTP and not yet acknowledged by the peer (queued or in flight).
+
+    A data channel's ``bufferedAmount`` reaches 0 when its messages are queued in SCTP, not when
+    they are sent; closing the association then loses them. 0 when unknown.
+    """
+    if transport is None:
+        return 0
+    return len(getattr(transport, "_outbound_queue", ())) + len(getattr(transport, "_sent_queue", ()))
+
+
 class SctpGuard:
     def __init__(
         self,

@@ -26,7 +26,7 @@ from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
 from lychee_rtc.media.peer import abandon_peer
-from lychee_rtc.media.sctp_guard import SctpGuard
+from lychee_rtc.media.sctp_guard import SctpGuard, undelivered_chunks
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.server.auth import new_session_token, new_whip_resource, secret_matches
 from lychee_rtc.server.metrics import ServerMetrics
@@ -39,7 +39,7 @@ EVENT_CHANNEL_LABELS = ("events", "oai-events")
 CODEC_MIME = {"opus": "audio/opus", "PCMU": "audio/PCMU", "PCMA": "audio/PCMA"}
 WATCHDOG_PERIOD_S = 0.25
 # How long a closing call waits for its last events to be handed to the transport.
-EVENT_DRAIN_S = 0.5
+EVENT_DRAIN_S = 1.0
 # A call forced closed at the end of the shutdown grace gets this long to close its transport.
 FORCED_CLOSE_S = 1.0
 
@@ -437,9 +437,10 @@ class SessionManager:
         await self._abandon(call.pc, call.track)
 
     async def _drain_events(self, call: RtcCall) -> None:
-        """Give the last events (session.closed above all) a moment to leave before the SCTP abort."""
+        """Give the last events (session.closed above all) a moment to be delivered before the SCTP abort."""
         deadline = time.monotonic() + EVENT_DRAIN_S
-        while call.session.buffered_events() > 0 and time.monotonic() < deadline:
+        while (call.session.buffered_events() > 0 or undelivered_chunks(call.pc.sctp) > 0) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     async def _abandon(self, pc: RTCPeerConnection, track: PacedAudioTrack) -> None:
