@@ -75,8 +75,8 @@ def client_message(seed: int, index: int) -> str:
 def offer_body(seed: int, index: int, sdp: str) -> str:
     """One body for POST /v1/rtc/offer: mutated JSON around a real (possibly mutated) SDP offer."""
     rng = random.Random(f"http-{seed}-{index}")
-    body: dict[str, Any] = {"type": rng.choice(["offer", "offer", "answer", _value(rng)]),
-                            "sdp": sdp_offer(seed, index, sdp) if rng.random() < 0.5 else rng.choice([sdp, _value(rng)])}
+    mutated = sdp_offer(seed, index, sdp) if rng.random() < 0.5 else rng.choice([sdp, _value(rng)])
+    body: dict[str, Any] = {"type": rng.choice(["offer", "offer", "answer", _value(rng)]), "sdp": mutated}
     if rng.random() < 0.6:
         body["session"] = {k: _value(rng) for k in rng.sample(["voice", "temperature", "seed", "metrics",
                                                                "instructions", "x"], rng.randrange(0, 4))}

@@ -104,7 +104,8 @@ async def test_malformed_request_lines_do_not_flood_the_log(echo_server, caplog)
     url, _ = echo_server
     port = int(url.rsplit(":", 1)[1])
     caplog.set_level(logging.INFO, logger="aiohttp.server")
-    for line in [b"GET /\x00 HTTP/1.1\r\n\r\n", b"GET / HTTP/9.9\r\nHost: x\r\n\r\n", b"\x16\x03\x01\x02\x00\r\n\r\n"] * 5:
+    lines = [b"GET /\x00 HTTP/1.1\r\n\r\n", b"GET / HTTP/9.9\r\nHost: x\r\n\r\n", b"\x16\x03\x01\x02\x00\r\n\r\n"]
+    for line in lines * 5:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(line)
         await writer.drain()

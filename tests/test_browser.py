@@ -23,7 +23,7 @@ from conftest import running_server
 from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.media.consent import _ice_connections
+from lychee_rtc.media.consent import ice_connections
 from lychee_rtc.pcm import write_wav
 from lychee_rtc.server.app import MANAGER_KEY
 
@@ -250,7 +250,7 @@ async def test_the_page_resumes_its_session_after_the_path_breaks(tmp_path):
         await expect(log_entry(page, "session.created")).to_have_count(1, timeout=15_000)
         (session_id, call), = app[MANAGER_KEY].calls.items()
         # The network path breaks: nothing of this call gets through any more, either way.
-        for connection in _ice_connections(call.pc):
+        for connection in ice_connections(call.pc):
             for protocol in connection._protocols:
                 protocol.datagram_received = lambda data, addr: None
                 protocol.transport.sendto = lambda data, addr=None: None

@@ -9,18 +9,19 @@ import aiohttp
 
 from conftest import running_server
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.media.consent import _ice_connections
+from lychee_rtc.media.consent import ice_connections
 
 
 async def test_expired_consent_closes_the_call_with_its_real_reason(caplog):
     caplog.set_level(logging.WARNING, logger="lychee_rtc")
     # Media keeps flowing (no media timeout); only consent checks go unanswered.
-    async with running_server(rtc={"ice_consent_timeout_s": 3.0}, session={"media_timeout_s": 120, "resume_window_s": 1.0}) as (url, _):
+    settings = {"media_timeout_s": 120, "resume_window_s": 1.0}
+    async with running_server(rtc={"ice_consent_timeout_s": 3.0}, session=settings) as (url, _):
         client = RtcClient(url)
         await client.connect()
         try:
             await client.wait_event("session.created")
-            for connection in _ice_connections(client.pc):
+            for connection in ice_connections(client.pc):
                 # Fault injection at the far end: the peer ignores the server's STUN binding requests.
                 connection.request_received = lambda *args, **kwargs: None
             # The path is gone, so the client hears nothing: the reason is in the log and the metrics.

@@ -65,7 +65,8 @@ async def test_fuzz_http_and_sdp(caplog):
                                      headers={"Content-Type": "application/json"}) as resp:
                     raw = await resp.read()
                     statuses[resp.status] = statuses.get(resp.status, 0) + 1
-                    assert resp.status < 500 or resp.status == 503, f"seed {SEED} http case {i}: {resp.status} {raw[:300]}"
+                    assert resp.status < 500 or resp.status == 503, \
+                        f"seed {SEED} http case {i}: {resp.status} {raw[:300]}"
                     data = strict_json_loads(raw)
                     if resp.status == 200:
                         token = {"Authorization": f"Bearer {data['session_token']}"}
@@ -78,7 +79,8 @@ async def test_fuzz_http_and_sdp(caplog):
                                      headers={"Content-Type": "application/sdp"}) as resp:
                     raw = await resp.read()
                     statuses[resp.status] = statuses.get(resp.status, 0) + 1
-                    assert resp.status < 500 or resp.status == 503, f"seed {SEED} sdp case {i}: {resp.status} {raw[:300]}"
+                    assert resp.status < 500 or resp.status == 503, \
+                        f"seed {SEED} sdp case {i}: {resp.status} {raw[:300]}"
                     if resp.status == 201:
                         async with http.delete(url + resp.headers["Location"]) as d:
                             assert d.status == 200

@@ -123,3 +123,21 @@ async def test_abandoning_a_half_negotiated_peer_connection_is_safe():
         assert pc.signalingState == "closed"
     finally:
         await client.close()
+
+
+async def test_a_media_id_that_is_not_a_token_is_a_400(echo_server):
+    # Found by the fuzz suite: "a=mid: 0" matched "BUNDLE 0" once trimmed, but aiortc keeps the space
+    # and then fails in a task of its own, after the answer.
+    url, _ = echo_server
+    pc = RTCPeerConnection()
+    pc.addTransceiver(MicrophoneTrack(), direction="sendrecv")
+    pc.createDataChannel("events")
+    await pc.setLocalDescription(await pc.createOffer())
+    try:
+        for bad in ("a=mid: 0", "a=mid:", "a=mid:" + "x" * 40):
+            sdp = pc.localDescription.sdp.replace("a=mid:0", bad, 1)
+            status, _, raw = await post_offer(url, json.dumps({"sdp": sdp, "type": "offer"}))
+            assert status == 400, raw
+            assert "not a valid media id" in json.loads(raw)["error"]["message"]
+    finally:
+        await pc.close()

@@ -16,7 +16,7 @@ import numpy as np
 
 from conftest import running_server
 from lychee_rtc.bench.client import RATE, RtcClient
-from lychee_rtc.media.consent import _ice_connections
+from lychee_rtc.media.consent import ice_connections
 from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
 from lychee_rtc.session.protocol import validate_server_event
 
@@ -123,7 +123,7 @@ async def test_a_resume_needs_the_token_and_the_window():
         session_id, token = first.session_id, first.session_token
         await first.wait_event("session.created")
         # The first connection vanishes: its sockets go quiet, nothing is said.
-        for connection in _ice_connections(first.pc):
+        for connection in ice_connections(first.pc):
             for protocol in connection._protocols:
                 protocol.transport.close()
         try:

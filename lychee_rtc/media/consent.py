@@ -31,7 +31,7 @@ CONSENT_INTERVAL_S = 5.0  # RFC 7675 section 5.1: randomised around 5 s
 CHECK_RETRANSMISSIONS = 3  # a check's answer may come up to ~7 s late (0.5 s RTO, doubling)
 
 
-def _ice_connections(pc: RTCPeerConnection) -> list:
+def ice_connections(pc: RTCPeerConnection) -> list:
     dtls = [t.receiver.transport for t in pc.getTransceivers()]
     if pc.sctp is not None:
         dtls.append(pc.sctp.transport)
@@ -51,7 +51,7 @@ def install_consent_freshness(pc: RTCPeerConnection, timeout_s: float, on_expire
     """
     interval = min(CONSENT_INTERVAL_S, timeout_s / 4)
     taken = 0
-    for connection in _ice_connections(pc):
+    for connection in ice_connections(pc):
         if not all(hasattr(connection, a) for a in ("_nominated", "build_request", "remote_password", "close")):
             log.warning("this aioice has no known consent hooks: its own consent check stays")
             continue

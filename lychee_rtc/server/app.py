@@ -76,7 +76,8 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
             response.headers["Accept-Post"] = "application/sdp"
             response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
     else:
-        if auth.policy_of(request) is Policy.SERVER_KEY and not auth.has_server_key(request, settings.server.auth_token):
+        key = settings.server.auth_token
+        if auth.policy_of(request) is Policy.SERVER_KEY and not auth.has_server_key(request, key):
             response = _unauthorized("missing or wrong bearer token")
         else:
             try:
