@@ -63,6 +63,8 @@ class ServerSettings(_Section):
     auth_token: str | None = None
     web_root: Path | None = None  # defaults to the web client shipped with the server
     max_sdp_bytes: int = Field(64 * 1024, ge=1024)
+    # At shutdown, calls get this long to close cleanly (final event, slot released); then forced.
+    shutdown_grace_s: float = Field(5.0, gt=0, le=300)
 
 
 class RtcSettings(_Section):
@@ -72,6 +74,8 @@ class RtcSettings(_Section):
     # Inbound jitter handling: "lowlatency" is ours, "aiortc" keeps the library default.
     jitter_buffer: Literal["lowlatency", "aiortc"] = "lowlatency"
     jitter_target_ms: int = Field(40, ge=20, le=400)
+    # ICE consent (RFC 7675): the media path is given up when no consent check was answered this long.
+    ice_consent_timeout_s: float = Field(30.0, ge=2, le=300)
 
 
 class SessionSettings(_Section):
@@ -87,6 +91,10 @@ class SessionSettings(_Section):
     # Server VAD barge-in: user speech during audible playback interrupts the response.
     vad_barge_in: bool = True
     event_buffer: int = Field(256, ge=8, le=65536)
+    # Resume: after the media path is lost, a new offer with the session's token may re-attach within
+    # this long (0: a lost path ends the session); the last events are kept for it to replay.
+    resume_window_s: float = Field(30.0, ge=0, le=3600)
+    resume_journal_events: int = Field(512, ge=16, le=65536)
     retry_after_s: int = Field(5, ge=1)
 
 

@@ -10,7 +10,6 @@ interrupt sequence of ARCHITECTURE section 4 atomic.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -41,7 +40,15 @@ from lychee_rtc.engine.base import (
 from lychee_rtc.engine.scheduler import EngineSlot
 from lychee_rtc.session.clock import WindowClock
 from lychee_rtc.session.ledger import ResponseLedger, ResponseRecord
-from lychee_rtc.session.protocol import ClientEvent, EventStamper, ProtocolError, error_body, parse_client_event
+from lychee_rtc.session.protocol import (
+    MAX_MESSAGE_BYTES,
+    ClientEvent,
+    EventStamper,
+    ProtocolError,
+    error_body,
+    parse_client_event,
+    strict_json_dumps,
+)
 from lychee_rtc.session.sink import AudioSink
 
 log = logging.getLogger(__name__)
@@ -120,8 +127,13 @@ class DuplexSession:
         self.closed = False
         self.close_reason: str | None = None
         self.on_close: Callable[[str], Any] | None = None
+        self._close_task: asyncio.Task | None = None
         self._stamper = EventStamper()
         self._outbox: deque[str] = deque()
+        # The latest events, as sent, for a client that resumes after losing its connection.
+        self._journal: deque[tuple[int, str]] = deque(maxlen=settings.resume_journal_events)
+        self.suspended = False  # the media path is gone; the session waits for a resume
+        self._resync_uplink = False
         self._send: Callable[[str], None] | None = None
         self._buffered: Callable[[], int] = lambda: 0
         self._tasks: list[asyncio.Task] = []
@@ -142,18 +154,30 @@ class DuplexSession:
         self.emit("session.created", session=self.describe())
 
     async def close(self, reason: str) -> None:
-        if self.closed:
-            return
+        """End the session; every caller waits for the same teardown, however many there are.
+
+        The teardown runs as a task of its own, so a caller that is cancelled (an HTTP request
+        whose client went away, a watchdog being stopped) cannot leave it half done.
+        """
+        if self._close_task is None:
+            self._begin_close(reason)
+        assert self._close_task is not None
+        await asyncio.shield(self._close_task)
+
+    def _begin_close(self, reason: str) -> None:
         self.closed = True
         self.close_reason = reason
         self.state = "closed"
         if self.active_response is not None:
             self._finish_response(self.active_response, "cancelled", reason)
         self.emit("session.closed", reason=reason)
-        current = asyncio.current_task()
         for task in self._tasks:
-            if task is not current:
+            if task is not asyncio.current_task():
                 task.cancel()
+        self._close_task = asyncio.get_running_loop().create_task(self._finish_close(reason),
+                                                                  name=f"session-{self.id}-close")
+
+    async def _finish_close(self, reason: str) -> None:
         try:
             await self.slot.close()
         except Exception:  # the transport must still be torn down, or the call would linger
@@ -212,15 +236,55 @@ class DuplexSession:
         while self._outbox:
             self._transmit(self._outbox.popleft())
 
+    def buffered_events(self) -> int:
+        """Bytes of events handed to the channel and not yet sent (0 without a channel)."""
+        if self._send is None:
+            return 0
+        try:
+            return int(self._buffered())
+        except Exception:
+            return 0
+
     def detach_channel(self, send: Callable[[str], None] | None = None) -> None:
         """Stop sending on the channel whose ``send`` this is (or on any channel if None)."""
         if send is None or self._send == send:
             self._send = None
 
+    # --- losing and resuming the transport ----------------------------------------------------------
+
+    def suspend(self, reason: str) -> None:
+        """The media path is gone (the session, its engine slot and context stay): stop sending, and
+        cancel what was being said, since nobody heard it."""
+        if self.closed or self.suspended:
+            return
+        self.suspended = True
+        self._send = None
+        if self.active_response is not None:
+            self.interrupt("connection_lost")
+
+    def rebind_sink(self, sink: AudioSink) -> None:
+        """A new transport plays the audio from now on, starting at the current epoch."""
+        sink.cut(self.epoch)
+        self.sink = sink
+        self._resync_uplink = True
+
+    def resume_channel(self, send: Callable[[str], None], buffered: Callable[[], int], last_seq: int) -> None:
+        """Attach a resumed client's channel: replay what it missed from the journal, then say so."""
+        self.suspended = False
+        self._send, self._buffered = send, buffered
+        self._outbox.clear()  # the journal holds all of it
+        first = self._journal[0][0] if self._journal else last_seq + 1
+        lost = max(0, first - last_seq - 1)
+        replay = [text for seq, text in self._journal if seq > last_seq]
+        for text in replay:
+            self._transmit(text)
+        self.emit("session.resumed", session=self.describe(), replayed=len(replay), lost=lost)
+
     def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
         if self.closed:
             return
         now = self.clock() if now is None else now
+        self._resync(now)
         self.last_audio_at = now
         self.counters.input_samples += len(samples)
         self._forward_windows(self.window_clock.write(samples, now))
@@ -229,6 +293,7 @@ class DuplexSession:
         if self.closed:
             return
         now = self.clock() if now is None else now
+        self._resync(now)
         self.last_audio_at = now
         self._forward_windows(self.window_clock.gap(n, now, fill))
 
@@ -250,6 +315,11 @@ class DuplexSession:
         if self.active_response is not None:
             self.interrupt("dtmf")
         self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit.upper()))
+
+    def _resync(self, now: float) -> None:
+        if self._resync_uplink:
+            self._resync_uplink = False
+            self._forward_windows(self.window_clock.resync(now))
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))
@@ -280,7 +350,8 @@ class DuplexSession:
 
     def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
         event = self._stamper.stamp(event_type, **fields)
-        text = json.dumps(event, separators=(",", ":"))
+        text = strict_json_dumps(event)
+        self._journal.append((event["seq"], text))
         if self._send is None:
             self._outbox.append(text)
             while len(self._outbox) > self.settings.event_buffer:
@@ -308,6 +379,8 @@ class DuplexSession:
     # --- client messages ---------------------------------------------------------------------------
 
     def handle_message(self, raw: str | bytes) -> None:
+        if self.closed:
+            return
         self.counters.messages_in += 1
         if not self._take_message_token():
             return
@@ -320,6 +393,14 @@ class DuplexSession:
             log.exception("session %s: failed to handle a client message", self.id)
             self._error(ProtocolError("internal_error", "the server failed to handle this message",
                                       error_type="server_error"))
+
+    def reject_oversize(self, size: int) -> None:
+        """The transport dropped a message while it arrived, at ``size`` bytes, for being too large."""
+        if self.closed:
+            return
+        self.counters.messages_in += 1
+        self._error(ProtocolError("message_too_large",
+                                  f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
 
     def _take_message_token(self) -> bool:
         """Token bucket over client messages, so a flooding client cannot monopolise the loop."""
@@ -373,7 +454,8 @@ class DuplexSession:
                 fields["client_time"] = p["client_time"]
             self.emit("pong", **fields)
         elif ev.type == "session.close":
-            self._tasks.append(asyncio.get_running_loop().create_task(self.close("client_closed")))
+            if self._close_task is None:  # one teardown, however many times the client asks
+                self._begin_close("client_closed")
         else:  # the schema and this dispatcher disagree: a server bug, said plainly
             raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id, "server_error")
 
