@@ -97,9 +97,9 @@ def entry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Entry]:
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-async def _get(url: str) -> tuple[int, Any, Any, bytes]:
+async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any, Any, bytes]:
     async with aiohttp.ClientSession() as http:
-        async with http.get(url) as r:
+        async with http.get(url, headers=headers) as r:
             body = await r.read()
             data = await r.json(content_type=None) if r.content_type == "application/json" else None
             return r.status, r.headers, data, body
@@ -211,7 +211,8 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
 
         status, body = await readyz(entry)
         assert (status, body["status"], body["capacity"], body["free"], body["active"]) == (200, "ready", 4, 2, 2)
-        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions/{b.session_id}")
+        # A session's resource opens with its own token, through the entry as at the worker.
+        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions/{b.session_id}", b.auth_headers())
         assert status == 200 and data["session_id"] == b.session_id and data["connection_state"] == "connected"
         check_response("/v1/sessions/{session_id}", "GET", status, headers, raw)
         status, headers, data, raw = await _get(f"{entry.url}/v1/sessions")
@@ -254,6 +255,8 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
                     assert r.status == 404 and (await r.json())["error"]["code"] == "session_not_found"
             # Hang-up through the entry ends the call at its worker; the client sees its peer close.
             async with http.delete(f"{entry.url}/v1/sessions/{a.session_id}") as r:
+                assert r.status == 401  # not without the session's token
+            async with http.delete(f"{entry.url}/v1/sessions/{a.session_id}", headers=a.auth_headers()) as r:
                 assert r.status == 200
         await pc.close()
         await wait_until(lambda: a.pc.connectionState in ("closed", "failed"), 60, "the hung-up call to close")

@@ -5,7 +5,8 @@
 * Each session has its own secret, returned with its answer (``session_token``, and for WHIP the
   resource URL itself). It is needed for that session's follow-ups - GET/DELETE
   ``/v1/sessions/{id}``, PATCH/DELETE on the WHIP resource, a resume - whether or not a server key
-  is configured, and it opens nothing else.
+  is configured, and it opens nothing else. Calls that no client was given a token for (carrier
+  streams, SIP gateway calls) are opened by the server key, like the admin views.
 
 Secrets are compared in constant time. A route's policy is declared on its handler with one of the
 decorators below; an undecorated ``/v1/`` or ``/whip`` route needs the server key.
@@ -82,5 +83,9 @@ def is_admin(request: web.Request, server_key: str | None) -> bool:
     return server_key is not None and secret_matches(bearer(request), server_key)
 
 
-def may_use_session(request: web.Request, session_token: str, server_key: str | None) -> bool:
+def may_use_session(request: web.Request, session_token: str | None, server_key: str | None) -> bool:
+    """A session's own resource. A call that no client holds a token for (a carrier's or a SIP
+    gateway's) is the operator's: like the admin views, it needs the server key when one is set."""
+    if session_token is None:
+        return has_server_key(request, server_key)
     return secret_matches(bearer(request), session_token) or is_admin(request, server_key)
