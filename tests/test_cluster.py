@@ -212,7 +212,7 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
         status, body = await readyz(entry)
         assert (status, body["status"], body["capacity"], body["free"], body["active"]) == (200, "ready", 4, 2, 2)
         # A session's resource opens with its own token, through the entry as at the worker.
-        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions/{b.session_id}", b.auth_headers())
+        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions/{b.session_id}", b.auth_headers)
         assert status == 200 and data["session_id"] == b.session_id and data["connection_state"] == "connected"
         check_response("/v1/sessions/{session_id}", "GET", status, headers, raw)
         status, headers, data, raw = await _get(f"{entry.url}/v1/sessions")
@@ -256,7 +256,7 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
             # Hang-up through the entry ends the call at its worker; the client sees its peer close.
             async with http.delete(f"{entry.url}/v1/sessions/{a.session_id}") as r:
                 assert r.status == 401  # not without the session's token
-            async with http.delete(f"{entry.url}/v1/sessions/{a.session_id}", headers=a.auth_headers()) as r:
+            async with http.delete(f"{entry.url}/v1/sessions/{a.session_id}", headers=a.auth_headers) as r:
                 assert r.status == 200
         await pc.close()
         await wait_until(lambda: a.pc.connectionState in ("closed", "failed"), 60, "the hung-up call to close")

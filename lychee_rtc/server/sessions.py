@@ -97,7 +97,9 @@ class RtcCall:
     # Called with the reason once the call is torn down (a SIP gateway hangs up its leg here).
     on_closed: list[Callable[[str], Awaitable[None] | None]] = field(default_factory=list)
     sctp_guard: SctpGuard | None = None
-    token: str | None = field(default_factory=new_session_token)  # the session's own secret (server.auth)
+    # The session's own secret (server.auth). None for a connector's leg (the SIP gateway's): no client
+    # holds a token for it, so it never resumes and the server key opens its resource.
+    token: str | None = field(default_factory=new_session_token)
     whip_resource: str | None = None  # the WHIP resource id: a capability, like the token
     transport_failure: str | None = None  # why the media path failed, when the transport knows
     watchdog: asyncio.Task | None = None
@@ -105,8 +107,6 @@ class RtcCall:
     suspended_at: float | None = None  # the media path was lost then; the session waits for a resume
     suspend_reason: str | None = None
     resuming: bool = False
-    # A browser or an SDK client may come back with a resume; a connector's leg (the SIP gateway's) never does.
-    resumable: bool = True
     resume_from: int | None = None  # last event seq the resuming client has, until its channel opens
     resumes: int = 0
 
@@ -240,7 +240,7 @@ class SessionManager:
         session = self.new_session(slot, track, options, metrics, origin)
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
                        whip=whip, whip_resource=new_whip_resource(self.id_prefix) if whip else None,
-                       resumable=origin is None)
+                       token=new_session_token() if origin is None else None)
         await self._negotiate(call, offer_sdp)
         if call.whip_resource is not None:
             self._whip_resources[call.whip_resource] = session.id
@@ -296,7 +296,7 @@ class SessionManager:
         session = call.session
         if session.closed or call.suspended_at is not None:
             return
-        if self.settings.session.resume_window_s <= 0 or self.closing or not call.resumable:
+        if self.settings.session.resume_window_s <= 0 or self.closing or call.token is None:
             await self.close(session.id, reason)
             return
         call.suspended_at, call.suspend_reason = time.monotonic(), reason
