@@ -160,6 +160,19 @@ class RtcClient:
         self._channel_open = asyncio.Event()
 
     async def connect(self, session: dict[str, Any] | None = None) -> None:
+        body: dict[str, Any] = {"sdp": await self.make_offer(), "type": "offer"}
+        if session is not None:
+            body["session"] = session
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body) as resp:
+                data = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"offer refused: {resp.status} {data}")
+        self.session_id = data["session_id"]
+        await self.accept_answer(data["sdp"])
+
+    async def make_offer(self) -> str:
+        """Set up the tracks and the data channel; the offer SDP (with gathered candidates)."""
         transceiver = self.pc.addTransceiver(self.mic, direction="sendrecv")
         if self.codec is not None:
             from aiortc import RTCRtpSender
@@ -180,17 +193,12 @@ class RtcClient:
             self._tasks.append(asyncio.create_task(self._record(track)))
 
         await self.pc.setLocalDescription(await self.pc.createOffer())
-        body: dict[str, Any] = {"sdp": self.pc.localDescription.sdp, "type": "offer"}
-        if session is not None:
-            body["session"] = session
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body) as resp:
-                data = await resp.json()
-                if resp.status != 200:
-                    raise RuntimeError(f"offer refused: {resp.status} {data}")
-        self.session_id = data["session_id"]
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=data["sdp"], type="answer"))
-        await asyncio.wait_for(self._channel_open.wait(), 20)
+        return self.pc.localDescription.sdp
+
+    async def accept_answer(self, answer_sdp: str, timeout: float = 20.0) -> None:
+        """Apply the answer and wait until the data channel is open."""
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
+        await asyncio.wait_for(self._channel_open.wait(), timeout)
 
     async def _record(self, track) -> None:
         resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)

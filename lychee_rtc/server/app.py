@@ -18,6 +18,7 @@ from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.sdp import SdpError
 from lychee_rtc.server.metrics import ServerMetrics
+from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.sessions import RtcCall, ServerFull, SessionManager
 from lychee_rtc.session.protocol import validator
 
@@ -31,7 +32,8 @@ METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 WHIP_PATCH_TYPE = "application/trickle-ice-sdpfrag"
 CORS_EXPOSE = "Location, ETag, Link, Accept-Patch, Accept-Post, Retry-After"
 CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
-CORS_HEADERS = "Authorization, Content-Type, If-Match"
+# X-OpenAI-Agents-SDK: the OpenAI browser SDK names itself on every call offer.
+CORS_HEADERS = "Authorization, Content-Type, If-Match, X-OpenAI-Agents-SDK"
 
 
 def _error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
@@ -67,7 +69,9 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
     else:
         token = settings.server.auth_token
         protected = request.path.startswith(("/v1/", "/whip"))
-        if token and protected and request.headers.get("Authorization") != f"Bearer {token}":
+        if protected and realtime.presents_client_secret(request):
+            pass  # an ephemeral key, checked by its route (it carries the call's configuration)
+        elif token and protected and request.headers.get("Authorization") != f"Bearer {token}":
             response = _error(401, "unauthorized", "missing or wrong bearer token",
                               headers={"WWW-Authenticate": "Bearer"})
         else:
@@ -299,6 +303,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_post("/whip", whip_post)
     app.router.add_patch("/whip/{session_id}", whip_patch)
     app.router.add_delete("/whip/{session_id}", delete_session)
+    realtime.install(app, settings, app[MANAGER_KEY])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if settings.metrics.enabled:

@@ -25,11 +25,13 @@ from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.server.metrics import ServerMetrics
+from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, RealtimeTranslator
+from lychee_rtc.server.openai.session_config import RealtimeProfile
 from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
 
-EVENT_CHANNEL_LABELS = ("events", "oai-events")
+EVENT_CHANNEL_LABEL = "events"  # this server's own events; "oai-events" speaks OpenAI's GA dialect
 CODEC_MIME = {"opus": "audio/opus", "PCMU": "audio/PCMU", "PCMA": "audio/PCMA"}
 WATCHDOG_PERIOD_S = 0.25
 
@@ -78,6 +80,7 @@ class SessionManager:
         self.calls: dict[str, RtcCall] = {}
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
+        self.realtime_profile = RealtimeProfile.build(settings, engine.capabilities)
 
     @property
     def capacity(self) -> int:
@@ -188,7 +191,14 @@ class SessionManager:
 
         @pc.on("datachannel")
         def on_datachannel(channel) -> None:
-            if channel.label not in EVENT_CHANNEL_LABELS:
+            if channel.label == OAI_EVENTS_LABEL:
+                translator = RealtimeTranslator(session, self.realtime_profile, channel.send,
+                                                lambda: channel.bufferedAmount)
+                channel.on("message", translator.handle_message)
+                channel.on("close", translator.detach)
+                translator.attach()
+                return
+            if channel.label != EVENT_CHANNEL_LABEL:
                 return
             channel.on("message", session.handle_message)
             channel.on("close", lambda: session.detach_channel(channel.send))
