@@ -69,9 +69,9 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
     else:
         token = settings.server.auth_token
         protected = request.path.startswith(("/v1/", "/whip"))
-        if protected and realtime.presents_client_secret(request):
-            pass  # an ephemeral key, checked by its route (it carries the call's configuration)
-        elif token and protected and request.headers.get("Authorization") != f"Bearer {token}":
+        # An ephemeral key on a call offer is checked by its route (it carries the call's configuration).
+        if token and protected and request.headers.get("Authorization") != f"Bearer {token}" \
+                and not realtime.presents_client_secret(request):
             response = _error(401, "unauthorized", "missing or wrong bearer token",
                               headers={"WWW-Authenticate": "Bearer"})
         else:
