@@ -16,6 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 from conftest import running_server
+from contract import check_response
 
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.server.app import MANAGER_KEY
@@ -24,6 +25,8 @@ from lychee_rtc.server.openai.routes import REALTIME_KEY
 from lychee_rtc.session.protocol import validator
 
 KEY = "sk-test-server-key"
+HANGUP = "/v1/realtime/calls/{call_id}/hangup"
+SECRETS = "/v1/realtime/client_secrets"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SILENCE = np.zeros(48000, np.float32)
 # What @openai/agents-realtime 0.20.0 sends in its first session.update (openaiRealtimeBase.mjs).
@@ -67,8 +70,10 @@ async def open_call(url: str, headers: dict[str, str], session: dict | None = No
             form.add_field("session", json.dumps(session), content_type="application/json")
             post = http.post(f"{url}/v1/realtime/calls", data=form, headers=headers)
         async with post as resp:
-            body = await resp.text()
+            raw = await resp.read()
+            body = raw.decode()
             assert resp.status == 201, body
+            check_response("/v1/realtime/calls", "POST", resp.status, resp.headers, raw)
             assert resp.content_type == "application/sdp"
             location = resp.headers["Location"]
     assert location.startswith("/v1/realtime/calls/")
@@ -149,9 +154,11 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
                     assert resp.status == 200
+                    check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
                 assert call_id not in app[MANAGER_KEY].calls
                 async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
                     assert resp.status == 404
+                    check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
                     assert (await resp.json())["error"]["code"] == "call_not_found"
         finally:
             await client.close()
@@ -179,6 +186,7 @@ async def test_client_secrets_open_calls_only_until_they_expire():
                 assert resp.status == 401  # minting needs the server key
             async with http.post(f"{url}/v1/realtime/client_secrets", json=mint, headers=AUTH) as resp:
                 assert resp.status == 200
+                check_response(SECRETS, "POST", resp.status, resp.headers, await resp.read())
                 secret = await resp.json()
             assert secret["value"].startswith("ek_")
             assert abs(secret["expires_at"] - (time.time() + 60)) < 30
@@ -196,6 +204,7 @@ async def test_client_secrets_open_calls_only_until_they_expire():
                               ({"surprise": 1}, "unknown_parameter")]:
                 async with http.post(f"{url}/v1/realtime/client_secrets", json=bad, headers=AUTH) as resp:
                     assert resp.status == 400 and (await resp.json())["error"]["code"] == code
+                    check_response(SECRETS, "POST", resp.status, resp.headers, await resp.read())
 
         # The key opens a call that starts from the configuration it was minted with.
         client, call_id = await open_call(url, ek)
@@ -248,8 +257,10 @@ async def test_keyless_server_is_open_on_loopback_and_closed_beyond_it():
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{url}/v1/realtime/client_secrets", json={}) as resp:
                 assert resp.status == 403 and (await resp.json())["error"]["code"] == "server_key_required"
+                check_response(SECRETS, "POST", resp.status, resp.headers, await resp.read())
             async with http.get(f"{url}/v1/realtime?call_id=x") as resp:
                 assert resp.status == 403
+                check_response("/v1/realtime", "GET", resp.status, resp.headers, await resp.read())
 
 
 async def test_call_offers_are_checked_like_any_offer():
@@ -258,6 +269,7 @@ async def test_call_offers_are_checked_like_any_offer():
             calls = f"{url}/v1/realtime/calls"
             async with http.post(calls, data="v=0", headers={"Content-Type": "text/plain", **AUTH}) as resp:
                 assert resp.status == 415
+                check_response("/v1/realtime/calls", "POST", resp.status, resp.headers, await resp.read())
             async with http.post(calls, data="not sdp", headers={"Content-Type": "application/sdp", **AUTH}) as resp:
                 assert resp.status == 400 and (await resp.json())["error"]["param"] == "sdp"
             form = aiohttp.FormData()
@@ -266,6 +278,10 @@ async def test_call_offers_are_checked_like_any_offer():
                 assert resp.status == 400 and "'sdp' is required" in (await resp.json())["error"]["message"]
             async with http.post(calls, data="v=0", headers={"Content-Type": "application/sdp"}) as resp:
                 assert resp.status == 401
+            for query, status in [("", 400), ("?call_id=sess_nope", 404)]:
+                async with http.get(f"{url}/v1/realtime{query}", headers=AUTH) as resp:
+                    assert resp.status == status
+                    check_response("/v1/realtime", "GET", resp.status, resp.headers, await resp.read())
             # A page on another origin: the preflight allows the SDK's headers; Location is exposed.
             preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
                          "Access-Control-Request-Headers": "authorization,content-type,x-openai-agents-sdk"}
