@@ -5,7 +5,8 @@ The page is served from another origin than the server (as an application's page
 CORS rules are exercised for real. The application server's part (minting the ephemeral key with
 the server key) is done by the test. The SDK is unmodified: only its calls URL points here.
 
-Getting the SDK: the first run installs the exact locked packages with ``npm ci`` into
+Getting the SDK: the first run installs the exact locked packages (integrity-checked against
+tests/openai_sdk/package-lock.json) with ``npm ci`` into
 tests/openai_sdk/node_modules (git-ignored), so ``make test`` needs Node.js and npm and, once,
 the npm registry; later runs reuse the folder while its version matches the pin.
 """
@@ -43,7 +44,8 @@ def sdk_bundle() -> Path:
         npm = shutil.which("npm")
         if npm is None:
             pytest.fail("npm (Node.js) is required to fetch the OpenAI browser SDK for this test")
-        result = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"],
+        result = subprocess.run([npm, "ci", "--omit=optional", "--ignore-scripts", "--no-audit", "--no-fund",
+                                 "--loglevel=error"],
                                 cwd=SDK_DIR, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             pytest.fail(f"npm ci in {SDK_DIR} failed:\n{result.stderr[-2000:]}")

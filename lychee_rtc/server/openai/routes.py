@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +40,6 @@ from lychee_rtc.server.openai.session_config import (
 )
 from lychee_rtc.server.sessions import ServerFull, SessionManager
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
-
-log = logging.getLogger(__name__)
 
 CALLS_PATH = "/v1/realtime/calls"
 MAX_SESSION_PART_BYTES = 64 * 1024
