@@ -14,7 +14,8 @@
 # The model folder is the released checkpoint (config.json, model-0000i-of-0000N.safetensors +
 # model.safetensors.index.json, tokenizer files); it is mounted read-only, never baked in.
 # --network host: WebRTC media uses UDP ports chosen per session (ICE host candidates), which a
-# bridged container would not expose. Other profiles: append `serve --config configs/lychee-c4.yaml`.
+# bridged container would not expose. Other profiles: append `serve --config lychee-c4` (a profile
+# shipped with the package, by name) or mount your own and pass its path.
 FROM pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
 
 ENV PYTHONUNBUFFERED=1 \
@@ -26,23 +27,23 @@ WORKDIR /app
 # Dependencies first (cached layer): the package metadata only, with a stub package to satisfy
 # setuptools. torch and torchaudio come from the base image and are pinned to it, so no dependency
 # can pull in another torch built for another CUDA.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 RUN python -c "import torch, torchaudio; print(f'torch=={torch.__version__}'); print(f'torchaudio=={torchaudio.__version__}')" \
         > /tmp/base-constraints.txt \
-    && mkdir -p lychee_rtc && touch lychee_rtc/__init__.py \
+    && mkdir -p lychee_rtc web signaling configs && touch lychee_rtc/__init__.py \
     && pip install --constraint /tmp/base-constraints.txt ".[model]" \
     && pip uninstall -y lychee-rtc \
-    && rm -rf lychee_rtc
+    && rm -rf lychee_rtc web signaling configs build
 
 COPY lychee_rtc ./lychee_rtc
 COPY configs ./configs
 COPY web ./web
 COPY signaling ./signaling
-# Editable install: the server finds configs/, web/ and signaling/ next to the package.
-RUN pip install --no-deps -e .
+# A regular install: the wheel carries web/, signaling/ and configs/ inside the package.
+RUN pip install --no-deps . && rm -rf /app/* /app/.[!.]*
 
 VOLUME ["/models"]
 EXPOSE 8080
 
 ENTRYPOINT ["lychee-rtc"]
-CMD ["serve", "--config", "configs/lychee-c1.yaml"]
+CMD ["serve", "--config", "lychee-c1"]

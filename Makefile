@@ -1,33 +1,53 @@
-# The two set-up commands for a fresh machine: `make serve` and `make test`.
+# The two set-up commands for a fresh machine (README): `make serve` and `make test`.
+# Each creates .venv and installs what it needs; an install that failed or was interrupted is
+# redone on the next run (a step's stamp is written only after it succeeded).
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
-HOST ?= 127.0.0.1
-PORT ?= 8080
-CONFIG ?= configs/echo.yaml
+PIP := $(PY) -m pip --disable-pip-version-check
+TINY ?= checkpoints/lychee-tiny
 
-.PHONY: serve test install install-test clean
+# Passed to the server only when given (`make serve PORT=9000`); otherwise the profile and the
+# LYCHEE_RTC_* environment variables decide.
+SERVE_FLAGS = $(if $(CONFIG),--config $(CONFIG)) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e .
-	touch $@
+.PHONY: serve tiny test install install-model install-test clean
 
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install --quiet -e '.[test]'
-	touch $@
+# The default install: the server and the echo engine, no PyTorch.
+$(VENV)/.installed: pyproject.toml setup.py
+	@scripts/make-venv $(PYTHON) $(VENV)
+	@echo "installing lychee-rtc into $(VENV) (echo engine, no PyTorch; about a minute)"
+	$(PIP) install --quiet --progress-bar off -e .
+	@$(VENV)/bin/lychee-rtc --version
+	@touch $@
+
+# The lychee engine and the Token2Wav vocoder (PyTorch: a large download on a fresh machine).
+$(VENV)/.installed-model: $(VENV)/.installed
+	@echo "installing the model extra (PyTorch and friends; several minutes on a fresh machine)"
+	$(PIP) install --quiet --progress-bar off -e '.[model]'
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-model
+	@scripts/system-packages chromium
+	@echo "installing the test extra"
+	$(PIP) install --quiet --progress-bar off -e '.[test]'
+	@touch $@
 
 install: $(VENV)/.installed
-
+install-model: $(VENV)/.installed-model
 install-test: $(VENV)/.installed-test
 
 serve: install
-	$(VENV)/bin/lychee-rtc serve --config $(CONFIG) --host $(HOST) --port $(PORT)
+	$(VENV)/bin/lychee-rtc serve $(SERVE_FLAGS)
+
+# Lychee-FD on the CPU: a tiny random checkpoint in the released layout (written once), served.
+tiny: install-model
+	@test -f $(TINY)/lychee-cpu.yaml || $(VENV)/bin/lychee-rtc tiny-checkpoint $(TINY) --decision-bias 4
+	$(VENV)/bin/lychee-rtc serve --config $(or $(CONFIG),$(TINY)/lychee-cpu.yaml) \
+		$(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lychee_rtc.resources import shared_path, shipped_profile
+
 ENV_PREFIX = "LYCHEE_RTC_"
-PACKAGE_ROOT = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_ROOT.parent
-DEFAULT_PROFILE = REPO_ROOT / "configs" / "echo.yaml"
+DEFAULT_PROFILE = shared_path("configs") / "echo.yaml"
 
 
 class ConfigError(ValueError):
@@ -61,7 +61,7 @@ class ServerSettings(_Section):
     cors_origins: list[str] = Field(default_factory=lambda: ["*"])
     # When set, signaling requires "Authorization: Bearer <token>".
     auth_token: str | None = None
-    web_root: Path | None = None  # defaults to the repository's web/ folder
+    web_root: Path | None = None  # defaults to the web client shipped with the server
     max_sdp_bytes: int = Field(64 * 1024, ge=1024)
 
 
@@ -109,8 +109,101 @@ class EngineSettings(_Section):
     lychee: dict[str, Any] = Field(default_factory=dict)
 
 
+class TwilioSettings(_Section):
+    # The account's auth token: key of the X-Twilio-Signature HMAC over the stream URL.
+    auth_token: str | None = None
+
+
+class TelnyxSettings(_Section):
+    # Compared with the streaming auth-token header Telnyx sends.
+    token: str | None = None
+
+
+class PlivoSettings(_Section):
+    # Plivo can only pass extraHeaders (in its start frame): the token is the value of this key.
+    token: str | None = None
+    header: str = Field("token", pattern=r"^[A-Za-z0-9]+$")
+
+
+class ExotelSettings(_Section):
+    # Basic auth, as in wss://<username>:<password>@host/... in the Voicebot applet.
+    username: str | None = None
+    password: str | None = None
+
+
+class VonageSettings(_Section):
+    # Bearer token, sent by the NCCO websocket endpoint's authorization header.
+    token: str | None = None
+
+
+class TelephonySettings(_Section):
+    """Carrier media streams on /v1/telephony/ws. A carrier with no credentials here is refused."""
+
+    enabled: bool = True
+    # The scheme and host carriers dial (e.g. wss://bot.example.com): Twilio signs the URL it was
+    # given, which a proxy in front of the server may rewrite. Unset: rebuilt from the request.
+    public_url: str | None = Field(None, pattern=r"^wss?://[^/?#]+$")
+    # Audio sent ahead of real time when a response starts: the carrier's cushion against jitter.
+    lead_ms: int = Field(100, ge=0, le=1000)
+    # Audio sent but not yet confirmed played by the carrier's marks never exceeds this.
+    max_ahead_ms: int = Field(1000, ge=100, le=10000)
+    # A mark (playout receipt) after this much outbound audio; 20 = every frame.
+    mark_interval_ms: int = Field(20, ge=20, le=2000)
+    # A carrier that echoes no mark this long after its audio was due is taken not to echo marks.
+    mark_timeout_s: float = Field(5.0, gt=0, le=60)
+    # A connection must authenticate and start its stream within this long.
+    start_timeout_s: float = Field(10.0, gt=0, le=120)
+    # Malformed frames tolerated per call (each reported as an error event) before it is closed.
+    max_bad_frames: int = Field(20, ge=1, le=10000)
+    twilio: TwilioSettings = Field(default_factory=TwilioSettings)
+    telnyx: TelnyxSettings = Field(default_factory=TelnyxSettings)
+    plivo: PlivoSettings = Field(default_factory=PlivoSettings)
+    exotel: ExotelSettings = Field(default_factory=ExotelSettings)
+    vonage: VonageSettings = Field(default_factory=VonageSettings)
+
+    @model_validator(mode="after")
+    def _exotel_pair(self) -> "TelephonySettings":
+        if (self.exotel.username is None) != (self.exotel.password is None):
+            raise ValueError("telephony.exotel needs both username and password")
+        return self
+
+
 class MetricsSettings(_Section):
     enabled: bool = True
+
+
+class ClusterSettings(_Section):
+    """``lychee-rtc cluster serve``: one signaling entry in front of worker processes placed by Ray."""
+
+    # Where the Ray cluster is: null starts a local Ray inside the entry; "auto" or "host:port" joins one.
+    address: str | None = None
+    namespace: str = Field("lychee-rtc", min_length=1)
+    # "auto": one worker per GPU (worker_gpus > 0), else one per unit of worker_resource in the cluster.
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    worker_gpus: float = Field(0.0, ge=0)
+    worker_cpus: float = Field(1.0, ge=0)
+    # On CPU nodes, `ray start --resources '{"lychee_rtc_worker": N}'` says how many workers a node hosts.
+    worker_resource: str = Field("lychee_rtc_worker", min_length=1)
+    # The address each worker's own HTTP port listens on (default: its Ray node's IP), and the ports
+    # it may take ([first, last], both included; null: any free port).
+    worker_host: str | None = None
+    worker_ports: tuple[int, int] | None = None
+    # Ray restarts a dead worker this many times (-1: always).
+    max_restarts: int = Field(-1, ge=-1)
+    poll_interval_s: float = Field(0.5, gt=0, le=60)
+    status_timeout_s: float = Field(2.0, gt=0, le=60)
+    connect_timeout_s: float = Field(2.0, gt=0, le=60)
+    forward_timeout_s: float = Field(30.0, gt=0, le=600)
+    drain_timeout_s: float = Field(600.0, gt=0)
+    # Object store of a local Ray started by the entry (address: null); signaling moves little data.
+    local_object_store_mb: int = Field(128, ge=75)
+
+    @field_validator("worker_ports")
+    @classmethod
+    def _port_range(cls, ports: tuple[int, int] | None) -> tuple[int, int] | None:
+        if ports is not None and not (1 <= ports[0] <= ports[1] <= 65535):
+            raise ValueError("worker_ports must be [first, last] with 1 <= first <= last <= 65535")
+        return ports
 
 
 class Settings(_Section):
@@ -119,6 +212,8 @@ class Settings(_Section):
     session: SessionSettings = Field(default_factory=SessionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    telephony: TelephonySettings = Field(default_factory=TelephonySettings)
 
     @model_validator(mode="after")
     def _web_root_exists(self) -> "Settings":
@@ -129,7 +224,7 @@ class Settings(_Section):
 
     @property
     def web_root(self) -> Path:
-        return self.server.web_root or REPO_ROOT / "web"
+        return self.server.web_root or shared_path("web")
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
@@ -170,15 +265,52 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration ({source}):"]
+def _has_path(tree: Mapping[str, Any], path: tuple[Any, ...]) -> bool:
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _env_name(path: tuple[Any, ...], environ: Mapping[str, str]) -> str:
+    """The environment variable that set ``path`` (or one of its parents), as the user spelled it."""
+    for depth in range(len(path), 0, -1):
+        want = [str(p).lower() for p in path[:depth]]
+        for name in environ:
+            if name.startswith(ENV_PREFIX) and [p.lower() for p in name[len(ENV_PREFIX):].split("__")] == want:
+                return name
+    return ENV_PREFIX + "__".join(str(p).upper() for p in path)
+
+
+def _format_validation_error(exc: ValidationError, profile: str, env: Mapping[str, Any],
+                             environ: Mapping[str, str], overrides: Mapping[str, Any]) -> str:
+    """One line per bad key, each naming where its value came from: flag, environment or file."""
+    problems = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"  {key}: {msg}")
-    return "\n".join(lines)
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        # The value of a key comes from the highest layer that has it (or a parent of it).
+        prefixes = [loc[:n] for n in range(len(loc), 0, -1)]
+        if any(_has_path(overrides, p) for p in prefixes):
+            origin = "command line"
+        elif any(_has_path(env, p) for p in prefixes):
+            origin = f"environment variable {_env_name(loc, environ)}"
+        else:
+            origin = profile
+        problems.append(f"{key}: {msg} (from {origin})")
+    return "invalid configuration: " + "; ".join(problems)
+
+
+def resolve_profile(path: str | Path) -> Path:
+    """A profile path as given; a bare name (``loopback``) that is no file names a shipped profile."""
+    candidate = Path(path)
+    if candidate.exists():
+        return candidate
+    shipped = shipped_profile(str(path))
+    return shipped if shipped is not None else candidate
 
 
 def read_profile(path: Path) -> dict[str, Any]:
@@ -205,12 +337,12 @@ def load_settings(
     environ = os.environ if environ is None else environ
     if path is None and environ.get(ENV_PREFIX + "CONFIG"):
         path = environ[ENV_PREFIX + "CONFIG"]
-    profile = Path(path) if path is not None else DEFAULT_PROFILE
+    profile = resolve_profile(path) if path is not None else DEFAULT_PROFILE
     data = read_profile(profile) if (path is not None or profile.exists()) else {}
-    data = _merge(data, env_overrides(environ))
-    if overrides:
-        data = _merge(data, overrides)
+    env = env_overrides(environ)
+    overrides = overrides or {}
+    data = _merge(_merge(data, env), overrides)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, str(profile))) from None
+        raise ConfigError(_format_validation_error(exc, f"config file {profile}", env, environ, overrides)) from None

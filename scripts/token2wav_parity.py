@@ -170,7 +170,7 @@ def main() -> int:
     ref.set_stream_cache(key)
     ref_pcm = []
     buf = list(tokens)
-    while len(buf) >= 13:
+    while len(buf) > 13:  # the reference application's rule: more than hop + look-ahead
         ref_pcm.append(np.frombuffer(ref.stream(buf[:13], key), dtype="<i2"))
         buf = buf[10:]
     ref_pcm.append(np.frombuffer(ref.stream(buf, key, last_chunk=True), dtype="<i2"))

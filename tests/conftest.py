@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import io
 import shutil
 import socket
 import subprocess
 import wave
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 import pytest
@@ -19,16 +22,41 @@ from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.server.app import create_app
 
 
-def synthesize(text: str, rate: int = 48000, voice: str = "en") -> np.ndarray:
-    """Speech from espeak-ng, resampled to ``rate`` mono float32."""
+SPEECH_DIR = Path(__file__).resolve().parent / "fixtures" / "speech"
+
+
+def speech_fixture(text: str, voice: str = "en") -> Path:
+    """The WAV of ``text`` spoken by espeak-ng, kept in the repository so tests need no synthesizer.
+
+    A new sentence is synthesised once (espeak-ng must be installed then) and written next to the
+    others; commit it with the test that uses it.
+    """
+    key = hashlib.sha1(f"{voice}\n{text}".encode()).hexdigest()[:12]
+    path = SPEECH_DIR / f"{key}.wav"
+    if path.exists():
+        return path
     exe = shutil.which("espeak-ng")
     if exe is None:
-        pytest.fail("espeak-ng is required for the speech fixtures (.ci/run installs it)")
+        pytest.fail(f"no speech fixture for {text!r} ({path.name}); install espeak-ng once to create it")
     wav = subprocess.run([exe, "-v", voice, "-s", "160", "--stdout", text], capture_output=True, check=True).stdout
     with wave.open(io.BytesIO(wav)) as w:
         src_rate = w.getframerate()
-    # espeak-ng streams its WAV with an unknown length in the header; the data starts at byte 44.
-    pcm = np.frombuffer(wav[44:], dtype=np.int16).astype(np.float32) / 32768.0
+    SPEECH_DIR.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(src_rate)
+        # espeak-ng streams its WAV with an unknown length in the header; the data starts at byte 44.
+        out.writeframes(wav[44:])
+    (SPEECH_DIR / "index.txt").open("a").write(f"{path.name}\t{voice}\t{text}\n")
+    return path
+
+
+def synthesize(text: str, rate: int = 48000, voice: str = "en") -> np.ndarray:
+    """Speech (see ``speech_fixture``), resampled to ``rate`` mono float32."""
+    with wave.open(str(speech_fixture(text, voice))) as w:
+        src_rate = w.getframerate()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
     r = PcmResampler(src_rate, rate)
     return np.concatenate([r.process(pcm), r.flush()])
 
@@ -47,6 +75,21 @@ def long_utterance() -> np.ndarray:
 @pytest.fixture(scope="session")
 def interjection() -> np.ndarray:
     return synthesize("Wait, stop, stop please, I have a question for you.", voice="en+f3")
+
+
+async def wait_until(condition: Callable[[], Any], timeout: float = 60.0, what: str = "the condition") -> Any:
+    """Poll ``condition`` until it returns something truthy (returned); fail after ``timeout`` s.
+
+    Tests wait for what they need to have happened, never for a fixed time: on a busy machine
+    everything takes longer, and the deadline is only there to end a test that hangs.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (result := condition()):
+        if loop.time() > deadline:
+            pytest.fail(f"waited {timeout:.0f} s for {what}")
+        await asyncio.sleep(0.02)
+    return result
 
 
 def free_port() -> int:
@@ -73,7 +116,13 @@ async def running_server(config: str = "configs/echo.yaml", **overrides: Any) ->
         await runner.cleanup()
 
 
+# Tests that compare what came back with what was said check the pipeline, not whether this
+# machine keeps real time: a window waits up to 2 s (the most the setting allows) for late uplink
+# audio, so a busy machine's late packets are not cut away as a live server would cut them.
+PATIENT_WINDOWS = {"window_grace_ms": 2000}
+
+
 @pytest.fixture
 async def echo_server() -> AsyncIterator[tuple[str, web.Application]]:
-    async with running_server() as server:
+    async with running_server(session=PATIENT_WINDOWS) as server:
         yield server

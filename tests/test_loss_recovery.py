@@ -40,14 +40,17 @@ async def _distances(jitter_buffer: str) -> tuple[list[int], list[int], int]:
             schedule = np.zeros(RATE + total * INTERVAL, np.float32)
             for k in range(total):
                 schedule[RATE + k * INTERVAL:RATE + k * INTERVAL + len(probe)] = probe
-            client.mic.feed(schedule)
+            start = client.mic.feed(schedule) * RATE
             impairment = LinkImpairment(loss=0.0, seed=3)
             client.impair_uplink(impairment)
-            await asyncio.sleep(1 + phases[0] * 0.5)
+            # Phases follow the uplink's own clock (samples sent), not the wall clock.
+            await client.wait_sent(int(start + RATE + phases[0] * INTERVAL))
             impairment.loss = 0.15
-            await asyncio.sleep(phases[1] * 0.5)
+            await client.wait_sent(int(start + RATE + (phases[0] + phases[1]) * INTERVAL))
             impairment.loss = 0.0
-            await asyncio.sleep(phases[2] * 0.5 + 1.0)
+            await client.wait_sent(int(start + len(schedule) + RATE))
+            # Everything sent has come back (the loopback engine answers each 20 ms at once).
+            await client.wait_audio(client.received.end + RATE)
             onsets = find_onsets(client.received.signal(), probe)
             call = next(iter(app[MANAGER_KEY].calls.values()))
             lost = call.inbound.gaps

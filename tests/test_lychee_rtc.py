@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from conftest import running_server
+from conftest import running_server, wait_until
 from lychee_rtc.bench.client import RATE, RtcClient
 from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
 from lychee_rtc.session.protocol import validate_server_event
@@ -30,26 +30,27 @@ async def test_lychee_tiny_serves_a_webrtc_session(tiny_root):
     async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
                               engine={"lychee": lychee}) as (url, _app):
         client = RtcClient(url)
-        await client.connect()
+        await client.connect(session={"metrics": True})  # a metrics event per engine window
         try:
-            created = await client.wait_event("session.created", timeout=20)
+            created = await client.wait_event("session.created", timeout=60)
             assert created["session"]
             rng = np.random.default_rng(0)
             client.mic.feed((0.05 * rng.standard_normal(RATE * 30)).astype(np.float32))
             client.send({"type": "input_audio_buffer.commit"})  # "answer now": the next decision is S-S
-            started = await client.wait_event("response.created", timeout=20)
+            started = await client.wait_event("response.created", timeout=60)
             rid = started["response_id"]
-            first = await client.wait_event("response.output_audio_codes.delta", timeout=20)
+            first = await client.wait_event("response.output_audio_codes.delta", timeout=60)
             assert first["response_id"] == rid and first["vocoder"] is False
-            await client.wait_event("response.output_audio_transcript.delta", timeout=5)
+            await client.wait_event("response.output_audio_transcript.delta", timeout=60)
             # Speech lags text by the delay prefix: codes start in the second speaking window.
             client.send({"type": "response.cancel"})
-            done = await client.wait_event("response.done", timeout=10)
+            done = await client.wait_event("response.done", timeout=60)
             assert done["response"]["status"] == "cancelled"
             codes = [c for e in client.events if e["type"] == "response.output_audio_codes.delta" for c in e["codes"]]
             assert codes and all(0 <= c < 64 for c in codes)  # the tiny codec block
-            # Nothing of the cancelled response follows its response.done.
-            await asyncio.sleep(1.2)
+            # Nothing of the cancelled response follows its response.done, for three more engine windows.
+            await wait_until(lambda: sum(e["seq"] > done["seq"] for e in client.events_of("metrics")) >= 3,
+                             what="three engine windows after the cancel")
             late = [e for e in client.events if e["seq"] > done["seq"] and e.get("response_id") == rid
                     and e["type"].startswith("response.output")]
             assert not late

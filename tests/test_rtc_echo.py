@@ -12,7 +12,7 @@ import textwrap
 
 import aiohttp
 import numpy as np
-from conftest import running_server
+from conftest import PATIENT_WINDOWS, running_server, wait_until
 
 from lychee_rtc.bench.client import RATE, RtcClient
 from lychee_rtc.pcm import PcmResampler
@@ -75,7 +75,7 @@ async def test_echo_answers_a_spoken_utterance(echo_server, utterance):
     try:
         client.mic.feed(SILENCE)
         client.mic.feed(utterance)
-        done = await client.wait_event("response.done", timeout=40)
+        done = await client.wait_event("response.done", timeout=60)
         assert done["response"]["status"] == "completed"
         types = [e["type"] for e in client.events]
         assert_subsequence(types, [
@@ -91,7 +91,7 @@ async def test_echo_answers_a_spoken_utterance(echo_server, utterance):
         started = client.events_of("output_audio_buffer.started")[0]
         stopped = client.events_of("output_audio_buffer.stopped")[0]
         assert started["response_id"] == stopped["response_id"] == done["response_id"]
-        await asyncio.sleep(0.3)  # the last frames are still in flight when the event arrives
+        await client.wait_audio(stopped["sample_offset"])  # the last frames were still in flight
         echo = client.received.signal(started["sample_offset"], stopped["sample_offset"])
         # The echo is the utterance itself: same length (within VAD padding) and the same content.
         assert abs(len(echo) - len(utterance)) < 0.5 * RATE
@@ -110,18 +110,22 @@ async def test_client_cancel_cuts_the_answer_and_no_stale_audio_follows(echo_ser
         client.mic.feed(SILENCE)
         client.mic.feed(long_utterance)
         started = await client.wait_event("output_audio_buffer.started", timeout=60)
-        await asyncio.sleep(1.0)
+        await client.wait_audio(started["sample_offset"] + RATE)  # a second of the answer has played
         client.send({"type": "response.cancel", "event_id": "c1"})
-        cleared = await client.wait_event("output_audio_buffer.cleared", timeout=10)
-        done = await client.wait_event("response.done", timeout=10)
+        cleared = await client.wait_event("output_audio_buffer.cleared", timeout=60)
+        done = await client.wait_event("response.done", timeout=60)
         assert done["response"]["status"] == "cancelled"
         assert cleared["epoch"] == 0 and cleared["new_epoch"] == 1
         assert cleared["response_id"] == started["response_id"] == done["response_id"]
         assert client.events.index(cleared) < client.events.index(done)
-        assert 600 < cleared["played_ms"] < 2500 and cleared["discarded_ms"] > 0
-        await asyncio.sleep(1.5)  # collect whatever still arrives
-
         cut = cleared["sample_offset"]
+        # played_ms is what the stream carried before the cut, at least the second heard above, and
+        # the rest of the utterance was discarded.
+        assert cleared["played_ms"] >= 900 and cleared["discarded_ms"] > 0
+        assert abs(cleared["played_ms"] - 1000 * (cut - started["sample_offset"]) / RATE) < 25
+        assert cleared["played_ms"] + cleared["discarded_ms"] < 1000 * len(long_utterance) / RATE + 500
+        await client.wait_audio(cut + CODEC_DELAY + 2 * RATE)  # collect what follows the cut
+
         played = client.received.signal(started["sample_offset"], cut)
         after = client.received.signal(cut + CODEC_DELAY)
         reference = through_16k(long_utterance)
@@ -143,17 +147,19 @@ async def test_user_barge_in_interrupts_then_the_new_utterance_is_answered(echo_
         client.mic.feed(SILENCE)
         client.mic.feed(long_utterance)
         first = await client.wait_event("output_audio_buffer.started", timeout=60)
-        await asyncio.sleep(0.8)
+        await client.wait_audio(first["sample_offset"] + RATE * 8 // 10)
         client.mic.feed(interjection)
-        cleared = await client.wait_event("output_audio_buffer.cleared", timeout=10)
-        cancelled = await client.wait_event("response.done", timeout=10, response_id=first["response_id"])
+        cleared = await client.wait_event("output_audio_buffer.cleared", timeout=60)
+        cancelled = await client.wait_event("response.done", timeout=60, response_id=first["response_id"])
         assert cancelled["response"]["status"] == "cancelled"
         assert cancelled["response"]["status_details"]["reason"] == "barge_in"
         second = await client.wait_event("output_audio_buffer.started", timeout=60,
                                          after=client.events.index(cleared))
         assert second["epoch"] == 1 and second["response_id"] != first["response_id"]
         await client.wait_event("response.done", timeout=60, response_id=second["response_id"])
-        await asyncio.sleep(0.3)
+        second_stop = await client.wait_event("output_audio_buffer.stopped", timeout=60,
+                                              response_id=second["response_id"])
+        await client.wait_audio(second_stop["sample_offset"])
 
         gap = client.received.signal(cleared["sample_offset"] + CODEC_DELAY, second["sample_offset"])
         assert np.max(np.abs(gap)) < 0.01, "old-epoch audio after the cut"
@@ -166,43 +172,50 @@ async def test_user_barge_in_interrupts_then_the_new_utterance_is_answered(echo_
         # One barge-in, timed from the user's speech onset to the cut (VAD confirmation included).
         assert "lychee_rtc_barge_in_seconds_count 1.0" in metrics
         total = float(next(l.split()[1] for l in metrics.splitlines() if l.startswith("lychee_rtc_barge_in_seconds_sum")))
-        assert 0.0 < total < 5.0
+        assert total > 0.0  # how long it takes is a benchmark's business (docs/benchmarks.md)
     finally:
         await client.close()
 
 
 async def test_turn_listen_holds_and_commit_answers_at_once(utterance):
     # A long end-of-speech silence so only commit (or release) can make it answer in time.
-    async with running_server(engine={"echo": {"min_silence_ms": 8000}}) as (url, _):
+    async with running_server(engine={"echo": {"min_silence_ms": 8000}}, session=PATIENT_WINDOWS) as (url, _):
         client = RtcClient(url)
-        await client.connect()
+        await client.connect(session={"metrics": True})  # one metrics event per engine window
         try:
             client.send({"type": "turn.listen"})
             await client.wait_event("turn.state", state="held")
-            client.mic.feed(SILENCE)
+            end = client.mic.feed(SILENCE) * RATE + len(SILENCE) + len(utterance)
             client.mic.feed(utterance)
-            await client.wait_event("input_audio_buffer.speech_started", timeout=20)
-            await asyncio.sleep(len(utterance) / RATE + 0.5)
+            await client.wait_event("input_audio_buffer.speech_started", timeout=60)
+            await client.wait_sent(int(end + RATE // 2))
             client.send({"type": "input_audio_buffer.commit"})
-            await client.wait_event("input_audio_buffer.committed")
-            await asyncio.sleep(1.0)
+            committed = await client.wait_event("input_audio_buffer.committed")
+            # Three engine windows after the commit, and still no answer while held.
+            await wait_until(lambda: len(client.events_of("metrics")) >= 3 + sum(
+                1 for e in client.events_of("metrics") if e["seq"] < committed["seq"]), what="three windows")
             assert not client.events_of("response.created"), "held session answered"
             client.send({"type": "turn.release"})
-            created = await client.wait_event("response.created", timeout=10)
-            done = await client.wait_event("response.done", timeout=30, response_id=created["response_id"])
+            created = await client.wait_event("response.created", timeout=60)
+            done = await client.wait_event("response.done", timeout=60, response_id=created["response_id"])
             assert done["response"]["status"] == "completed"
 
             # Not held: commit answers at once, long before the 8 s end-of-speech silence.
             n = len(client.events)
-            client.mic.feed(utterance)
-            await client.wait_event("input_audio_buffer.speech_started", timeout=20, after=n)
-            await asyncio.sleep(len(utterance) / RATE)
+            end = client.mic.feed(utterance) * RATE + len(utterance)
+            await client.wait_event("input_audio_buffer.speech_started", timeout=60, after=n)
+            await client.wait_sent(int(end))
             client.send({"type": "input_audio_buffer.commit"})
-            created = await client.wait_event("response.created", timeout=5, after=n)
-            await client.wait_event("response.done", timeout=30, response_id=created["response_id"])
+            committed = await client.wait_event("input_audio_buffer.committed", after=n)
+            created = await client.wait_event("response.created", timeout=60, after=n)
+            # Counted on the audio clock: within a window or two of the commit, not 20 windows
+            # (8 s of silence) later.
+            windows = [e for e in client.events_of("metrics") if committed["seq"] < e["seq"] < created["seq"]]
+            assert len(windows) <= 2, f"answered {len(windows)} windows after the commit"
+            await client.wait_event("response.done", timeout=60, response_id=created["response_id"])
             # Commit with nothing buffered is an error, and the session lives on.
             client.send({"type": "input_audio_buffer.commit", "event_id": "empty"})
-            err = await client.wait_event("error", timeout=10)
+            err = await client.wait_event("error", timeout=60)
             assert err["error"]["code"] == "input_audio_buffer_commit_empty"
             assert_server_events_valid(client)
         finally:
@@ -232,10 +245,7 @@ async def test_malformed_events_get_errors_and_the_session_lives_on(echo_server)
         await client.wait_event("session.created")
         for raw, _ in BAD_MESSAGES:
             client.send(raw)
-        for _ in range(100):
-            if len(client.events_of("error")) >= len(BAD_MESSAGES):
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: len(client.events_of("error")) >= len(BAD_MESSAGES), what="every error")
         codes = [e["error"]["code"] for e in client.events_of("error")]
         assert codes == [code for _, code in BAD_MESSAGES]
         assert client.events_of("error")[3]["error"]["event_id"] == "e1"
@@ -250,7 +260,7 @@ async def test_malformed_events_get_errors_and_the_session_lives_on(echo_server)
         pong = await client.wait_event("pong")
         assert pong["client_time"] == 123.5 and pong["epoch"] == 0
         client.mic.feed(SILENCE)
-        metrics = await client.wait_event("metrics", timeout=10)
+        metrics = await client.wait_event("metrics", timeout=60)
         assert metrics["deadline_ms"] == 400 and metrics["step_ms"] >= 0
         assert_server_events_valid(client)
     finally:
@@ -258,7 +268,7 @@ async def test_malformed_events_get_errors_and_the_session_lives_on(echo_server)
 
 
 async def test_g711_call_echoes(utterance):
-    async with running_server() as (url, app):
+    async with running_server(session=PATIENT_WINDOWS) as (url, app):
         client = RtcClient(url, codec="PCMU")
         await client.connect()
         try:
@@ -267,10 +277,11 @@ async def test_g711_call_echoes(utterance):
                     assert (await resp.json())["codec"] == "PCMU"
             client.mic.feed(SILENCE)
             client.mic.feed(utterance)
-            started = await client.wait_event("output_audio_buffer.started", timeout=40)
+            started = await client.wait_event("output_audio_buffer.started", timeout=60)
             assert started["sample_rate"] == 8000
-            await client.wait_event("response.done", timeout=40)
-            await asyncio.sleep(0.3)
+            await client.wait_event("response.done", timeout=60)
+            stopped = await client.wait_event("output_audio_buffer.stopped", timeout=60)
+            await client.wait_audio(stopped["sample_offset"] * 6)  # 8 kHz stream positions, 48 kHz received
             echo = client.received.signal(started["sample_offset"] * 6)
             assert best_match(echo, through_16k(utterance)) > 0.7
         finally:
@@ -299,21 +310,25 @@ async def test_a_client_that_vanishes_frees_its_slot():
             session_id = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
             assert session_id.startswith("sess_")
             async with aiohttp.ClientSession() as http:
-                await asyncio.sleep(1.0)
-                async with http.get(f"{url}/v1/sessions") as resp:
-                    body = await resp.json()
-                assert [s["session_id"] for s in body["sessions"]] == [session_id]
-                assert body["sessions"][0]["counters"]["window_windows"] >= 1
+                async def listed() -> list[dict]:
+                    async with http.get(f"{url}/v1/sessions") as resp:
+                        return (await resp.json())["sessions"]
+
+                for _ in range(3000):  # until its first window went to the engine (a minute at most)
+                    sessions = await listed()
+                    if sessions and sessions[0]["counters"]["window_windows"] >= 1:
+                        break
+                    await asyncio.sleep(0.02)
+                assert [s["session_id"] for s in sessions] == [session_id]
+                assert sessions[0]["counters"]["window_windows"] >= 1
                 proc.send_signal(signal.SIGKILL)  # no close, no BYE: the peer just disappears
                 await proc.wait()
-                freed = None
-                for i in range(150):
-                    async with http.get(f"{url}/v1/sessions") as resp:
-                        if not (await resp.json())["sessions"]:
-                            freed = i * 0.1
-                            break
+                for _ in range(600):  # media_timeout_s is 1.5 s; a minute on a busy machine at most
+                    if not await listed():
+                        break
                     await asyncio.sleep(0.1)
-                assert freed is not None, "the vanished client's slot was never freed"
+                else:
+                    raise AssertionError("the vanished client's slot was never freed")
                 async with http.get(f"{url}/readyz") as resp:
                     assert resp.status == 200
         finally:
@@ -328,15 +343,34 @@ async def test_a_flooding_client_is_rate_limited_and_kept(echo_server):
     await client.connect()
     try:
         await client.wait_event("session.created")
-        for i in range(600):
-            client.send({"type": "ping", "client_time": float(i)})
-        err = await client.wait_event("error", timeout=20)
+        loop = asyncio.get_running_loop()
+        # Flood until the limiter speaks: a busy server reads slowly and refills the bucket as it goes,
+        # so the number of messages needed is not fixed; the first 200 (the burst) always pass.
+        sent, began = 0, loop.time()
+        for _ in range(20):
+            for _ in range(600):
+                client.send({"type": "ping", "client_time": float(sent)})
+                sent += 1
+            try:
+                await client.wait_event("error", timeout=60)
+                break
+            except asyncio.TimeoutError:
+                pass
+        err = await client.wait_event("error", timeout=60)
         assert err["error"]["code"] == "rate_limited"
-        await asyncio.sleep(2.0)  # the bucket refills
-        client.send({"type": "ping", "client_time": -1.0})
-        pong = await client.wait_event("pong", timeout=10, client_time=-1.0)
+        # The session lives on: once the bucket refills, a ping is answered again.
+        for k in range(1, 121):
+            client.send({"type": "ping", "client_time": -float(k)})
+            await asyncio.sleep(0.5)
+            if any(e["type"] == "pong" and e["client_time"] < 0 for e in client.events):
+                break
+        else:
+            raise AssertionError("no pong after the flood")
+        pong = next(e for e in client.events if e["type"] == "pong" and e["client_time"] < 0)
         assert pong["epoch"] == 0
-        assert len(client.events_of("error")) <= 3  # errors are themselves limited
-        assert 200 <= len(client.events_of("pong")) < 600
+        pongs = [e for e in client.events_of("pong") if e["client_time"] >= 0]
+        assert 200 <= len(pongs) < sent, "the burst passes, the flood does not"
+        # Errors are themselves limited, to one a second (however long this took on this machine).
+        assert len(client.events_of("error")) <= loop.time() - began + 1
     finally:
         await client.close()

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import synthesize
+from conftest import synthesize, wait_until
 from lychee_rtc.config import EchoSettings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.echo import EchoBackend
@@ -19,7 +19,10 @@ class SlowEcho(EchoBackend):
     """The real echo backend with a step that takes longer than real time allows."""
 
     step_s = 0.2
-    batches: list[int] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: list[int] = []
 
     def step(self, windows):
         time.sleep(self.step_s)
@@ -58,7 +61,7 @@ async def test_overload_drops_oldest_windows_and_batches_slots():
         for seq in range(10):
             a.push(silence, seq, 0)
             b.push(silence, seq, 0)
-        await asyncio.sleep(1.5)
+        await wait_until(lambda: backend.batches, what="a step")
         for slot in (a, b):
             assert slot.counters.windows_in == 10
             assert slot.counters.windows_dropped >= 6
@@ -77,7 +80,7 @@ async def test_closed_slot_is_reset_before_reuse():
         chunks = windows_of(speech)
         for seq, w in enumerate(chunks):
             first.push(w, seq, 0)
-        events = await drain(first, timeout=10.0, timings=len(chunks))
+        events = await drain(first, timeout=60.0, timings=len(chunks))
         assert any(e.kind == "speech_started" for e in events)
         await first.close()
         assert await drain(first, timeout=1.0) == []  # the closed owner gets the end sentinel only
@@ -86,7 +89,7 @@ async def test_closed_slot_is_reset_before_reuse():
         silence = np.zeros(6400, np.float32)
         for seq in range(4):
             second.push(silence, seq, 0)
-        events = await drain(second, timeout=10.0, timings=4)
+        events = await drain(second, timeout=60.0, timings=4)
         # The previous owner's half-utterance must not be answered to the new owner.
         assert not any(e.kind in ("response_started", "audio_chunk", "speech_stopped") for e in events)
         assert [e.kind for e in events] == ["window_timing"] * 4, events

@@ -143,7 +143,7 @@ async def test_capacity_refusal_with_retry_after():
         finally:
             await first.close()
         # The slot comes back once the first caller hangs up.
-        for _ in range(100):
+        for _ in range(600):
             if (await request("GET", url, "/readyz"))[0] == 200:
                 break
             await asyncio.sleep(0.1)

@@ -65,12 +65,12 @@ def test_lychee_codes_become_token2wav_pcm(folders):
         assert not any(isinstance(e, CodecTokens) for e in events[s])
         audio = [e for e in events[s] if isinstance(e, AudioChunk)]
         n = len(pushed.get(s, []))
-        if n >= 13:
-            assert audio, "13 codes must produce the first hop"
+        if n > 13:
+            assert audio, "more than 13 codes must produce the first hop"
             assert audio[0].pcm.dtype == np.float32 and audio[0].pcm.size == 5760
         total = sum(a.pcm.size for a in audio)
         assert total <= 960 * n
-    assert any(len(v) >= 13 for v in pushed.values()), "the tiny model should speak after COMMIT"
+    assert any(len(v) > 13 for v in pushed.values()), "the tiny model should speak after COMMIT"
     be.apply_controls(0, [Control(ControlKind.CANCEL, 1)])
     assert vocs[0]._stream is None
     be.close_slot(0)
@@ -100,9 +100,9 @@ def test_cancel_then_new_response_and_voice_update(folders):
     pool = Token2WavPool.load(t2w, prompts)
     v = pool(0, SessionOptions(seed=1))
     assert v.voice_name == "alpha"
-    assert [a.size for a in v.push("r1", list(range(13)), False)] == [5760]
+    assert [a.size for a in v.push("r1", list(range(14)), False)] == [5760]
     v.cancel()
-    assert v.push("r1", list(range(13)), False) == []  # late codes of the cancelled response
+    assert v.push("r1", list(range(14)), False) == []  # late codes of the cancelled response
     v.update(SessionOptions(voice="beta"))
     assert [a.size for a in v.push("r2", list(range(20)), True)] == [5760, 3840 + 960 * 10]
     assert v._stream.voice.name == "beta"

@@ -46,26 +46,33 @@ async def test_lychee_with_token2wav_serves_audio(roots, tmp_path):
         client = RtcClient(url)
         await client.connect()
         try:
-            await client.wait_event("session.created", timeout=20)
+            await client.wait_event("session.created", timeout=60)
             rng = np.random.default_rng(0)
             client.mic.feed((0.05 * rng.standard_normal(RATE * 30)).astype(np.float32))
             client.send({"type": "input_audio_buffer.commit"})
-            started = await client.wait_event("response.created", timeout=20)
+            started = await client.wait_event("response.created", timeout=60)
             rid = started["response_id"]
-            playing = await client.wait_event("output_audio_buffer.started", timeout=30, response_id=rid)
+            playing = await client.wait_event("output_audio_buffer.started", timeout=60, response_id=rid)
             assert not client.events_of("response.output_audio_codes.delta")  # PCM, not codes
-            await asyncio.sleep(1.0)  # let some vocoded audio arrive
-            audio = client.received.signal()
-            assert audio.size > RATE // 2
-            assert float(np.sqrt(np.mean(audio[-RATE // 2:] ** 2))) > 1e-3, "vocoded speech expected"
+            # Half a second of the answer, by the stream's own positions.
+            start = playing["sample_offset"] * RATE // playing["sample_rate"]
+            await client.wait_audio(start + RATE // 2)
+            heard = client.received.signal(start, start + RATE // 2)
+            assert float(np.sqrt(np.mean(heard ** 2))) > 1e-3, "vocoded speech expected"
             client.send({"type": "response.cancel"})
-            done = await client.wait_event("response.done", timeout=10, response_id=rid)
+            done = await client.wait_event("response.done", timeout=60, response_id=rid)
             assert done["response"]["status"] in ("cancelled", "completed")
-            await asyncio.sleep(1.0)
+            # Past the cut (or the natural end), the stream goes on in silence.
+            end = await client.wait_event("output_audio_buffer.cleared", timeout=60, response_id=rid) \
+                if done["response"]["status"] == "cancelled" else \
+                await client.wait_event("output_audio_buffer.stopped", timeout=60, response_id=rid)
+            cut = end["sample_offset"] * RATE // end["sample_rate"]
+            await client.wait_audio(cut + RATE)
             late = [e for e in client.events if e["seq"] > done["seq"] and e.get("response_id") == rid
                     and e["type"].startswith("response.output")]
             assert not late
-            tail = client.received.signal()[-RATE // 2:]
+            # Opus carries a few ms of the old signal across a cut; everything after that is silence.
+            tail = client.received.signal(cut + RATE // 100, cut + RATE)
             assert float(np.abs(tail).max()) < 1e-3, "nothing of the cancelled response may still play"
             for ev in client.events:
                 validate_server_event(ev)

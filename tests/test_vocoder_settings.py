@@ -16,7 +16,7 @@ def test_tiny_section_builds_a_pool(section):
     pool = build_token2wav_pool(section)
     assert pool.voice_names == ("default",)
     v = pool(0, SessionOptions())
-    assert [a.size for a in v.push("r", list(range(13)), False)] == [5760]
+    assert [a.size for a in v.push("r", list(range(14)), False)] == [5760]
 
 
 @pytest.mark.parametrize("edit,key", [

@@ -38,15 +38,83 @@ def run(stream, all_codes, packet=7):
 
 def test_sizes_per_call(model, voices):
     s = VocoderStream(model, voices[0], 0, "r", seed=1)
-    out = run(s, codes(13), packet=13)
-    assert [e.pcm.size for e in out] == [5760]  # 13 codes pending -> first hop, 240 ms
-    out = s.push(codes(10, 1), 0, "r", 1)
+    assert run(s, codes(13), packet=13) == []  # exactly 13 pending: a hop waits for more
+    out = s.push(codes(1, 1), 0, "r", 1)
+    assert [e.pcm.size for e in out] == [5760]  # 14 codes pending -> first hop, 240 ms
+    assert s.pending == 4
+    out = s.push(codes(9, 2), 0, "r", 2)
+    assert out == [] and s.pending == 13
+    out = s.push(codes(1, 3), 0, "r", 3)
     assert [e.pcm.size for e in out] == [9600]  # then 400 ms per hop
-    assert s.pending == 3
-    out = s.push(codes(2, 2), 0, "r", 2) + s.finish()
-    assert [e.pcm.size for e in out] == [3840 + 960 * 5]  # natural final: tail + 40 ms per code
+    assert s.pending == 4
+    out = s.push(codes(2, 4), 0, "r", 4) + s.finish()
+    assert [e.pcm.size for e in out] == [3840 + 960 * 6]  # natural final: tail + 40 ms per code
     assert all(isinstance(e, AudioChunk) and e.pcm.dtype == np.float32 for e in out)
-    assert s.state == "finished" and s.stats.samples == 960 * 25
+    assert s.state == "finished" and s.stats.samples == 960 * 26
+
+
+def reference_schedule(n: int, hop: int = 10, lookahead: int = 3, strict: bool = True) -> list[tuple[int, int, bool]]:
+    """(start, stop, last) of every flow call for n codes, as the reference application drives
+    Token2Wav: a hop while *more than* hop + look-ahead codes wait (``strict``; ``False`` is the
+    ``>=`` variant), then one final call with everything left."""
+    calls, start = [], 0
+    while (n - start > hop + lookahead) if strict else (n - start >= hop + lookahead):
+        calls.append((start, start + hop + lookahead, False))
+        start += hop
+    calls.append((start, n, True))
+    return calls
+
+
+def seeded_noise():
+    """HiFT noise that depends only on the call's index, so two drivers get the same draws."""
+    counter = iter(range(1000, 100_000))
+    return lambda shape: torch.randn(shape, generator=torch.Generator().manual_seed(next(counter)))
+
+
+def reference_audio(model, voice, all_codes, schedule, noise):
+    """The flow and HiFT driven call by call along ``schedule``, with the reference's HiFT overlap
+    written out here (8 mel frames re-vocoded, excitation carried, Hamming cross-fade of 3840
+    samples, 3840 held back until the final call). Returns (PCM, mel of every call joined)."""
+    state = model.prime(voice)
+    n = model.overlap_samples
+    w = model.crossfade_window
+    mel_cache = torch.zeros(1, model.config.output_size, 0)
+    source = torch.zeros(1, 1, 0)
+    held = torch.zeros(1, 0)
+    pcm, mels = [], []
+    with torch.inference_mode():
+        for start, stop, last in schedule:
+            mel, (state,) = model.flow.chunk([state], torch.tensor([all_codes[start:stop]]), last)
+            mels.append(mel.float())
+            mel_in = torch.cat([mel_cache, mel.float()], dim=2)
+            speech, excitation = model.hift(mel_in, source, noise=noise(model.hift.noise_shape(1, mel_in.shape[2])))
+            speech = speech.clone()
+            if held.shape[1]:
+                speech[:, :n] = speech[:, :n] * w[:n] + held * w[n:]
+            mel_cache, source, held = mel_in[:, :, -8:], excitation[:, :, -n:], speech[:, -n:]
+            pcm.append(speech if last else speech[:, :-n])
+    return torch.cat(pcm, dim=1)[0].numpy(), torch.cat(mels, dim=2)[0]
+
+
+@pytest.mark.parametrize("n, first_diff_frame", [(13, 0), (83, 140)])
+@pytest.mark.parametrize("packet", [1, 7, 10])
+def test_hop_rule_matches_the_reference_schedule(model, voices, n, first_diff_frame, packet):
+    """n = 3 more than a multiple of 10 is where "more than 13 pending" and "13 pending" part:
+    the reference renders the last 13 codes in one final call, not as a hop plus a 3-code final."""
+    c = codes(n, 20 + n)
+    ref_pcm, ref_mel = reference_audio(model, voices[0], c, reference_schedule(n), seeded_noise())
+    s = VocoderStream(model, voices[0], 0, "r", seed=1)
+    s.noise_override = seeded_noise()
+    out = run(s, c, packet=packet) + s.finish()
+    hops = (n - 4) // 10  # hop k needs code 10k + 13, i.e. more than 13 pending
+    assert [e.pcm.size for e in out] == ([5760] + [9600] * (hops - 1) + [3840 + 960 * 13] if hops else [960 * n])
+    np.testing.assert_array_equal(np.concatenate([e.pcm for e in out]), ref_pcm)
+    # The test can tell the rules apart: the ">=" schedule gives other mel from this frame on.
+    _, ge_mel = reference_audio(model, voices[0], c, reference_schedule(n, strict=False), seeded_noise())
+    assert ge_mel.shape == ref_mel.shape == (model.config.output_size, 2 * n)
+    differs = (ge_mel - ref_mel).abs().amax(dim=0) > 1e-4
+    assert int(differs.nonzero()[0]) == first_diff_frame
+    assert not differs[:first_diff_frame].any()
 
 
 def test_total_samples_and_chunk_tags(model, voices):
@@ -69,7 +137,7 @@ def test_short_response_and_empty_final(model, voices):
 def test_final_with_nothing_pending_flushes_held_tail(model, voices):
     rules = StreamRules(hop=10)
     s = VocoderStream(model, voices[0], 0, "r", rules=rules, seed=1)
-    s.push(codes(13), 0, "r", 0)
+    s.push(codes(14), 0, "r", 0)
     s._pending.clear()  # as if the look-ahead codes had been consumed (flush_tail case)
     out = s.finish()
     assert [e.pcm.size for e in out] == [3840]
@@ -95,7 +163,7 @@ def test_sequence_gap_fails_only_that_response(model, voices):
     assert isinstance(out[1], ResponseDone) and out[1].status == "failed" and out[1].response_id == "ra"
     assert a.state == "failed" and a.push(codes(20), 0, "ra", 3) == []
     out = b.push(codes(10), 0, "rb", 1)
-    assert [e.pcm.size for e in out] == [5760]
+    assert [e.pcm.size for e in out] == [5760]  # 15 codes: more than 13
 
 
 def test_out_of_range_code_fails(model, voices):
@@ -117,7 +185,7 @@ def test_cancel_emits_nothing(model, voices):
 def test_fence_drops_output_after_interrupt(model, voices):
     fence = EpochFence(0)
     s = VocoderStream(model, voices[0], 0, "r", fence=fence, seed=1)
-    s.feed(codes(13), 0, "r", 0)
+    s.feed(codes(14), 0, "r", 0)
     fence.advance(1)  # the session was interrupted while the hop was queued
     assert synthesize_hops([s]) == [[]]
     assert s.state == "cancelled" and s.stats.fenced_dropped == 1
@@ -126,7 +194,7 @@ def test_fence_drops_output_after_interrupt(model, voices):
 def test_long_stream_policy_error(model, voices):
     rules = StreamRules(position_limit_tokens=voices[0].features.n_tokens + 25, long_stream="error")
     s = VocoderStream(model, voices[0], 0, "r", rules=rules, seed=1)
-    out = s.push(codes(13), 0, "r", 0)
+    out = s.push(codes(14), 0, "r", 0)
     assert [e.pcm.size for e in out] == [5760]
     out = s.push(codes(20), 0, "r", 1)
     assert [type(e).__name__ for e in out] == ["AudioChunk", "EngineError", "ResponseDone"]
@@ -166,7 +234,7 @@ def test_batched_equals_separate(model, voices):
         got = np.concatenate([e.pcm for e in out[k]])
         assert got.shape == alone[k].shape
         np.testing.assert_allclose(got, alone[k], atol=2e-5)
-    assert together[0].stats.hops == 5  # 4 hops + the final
+    assert together[0].stats.hops == 4  # 3 hops + one final carrying the last 13 codes
 
 
 def test_streams_do_not_share_state(model, voices):

@@ -3,7 +3,7 @@
 
 import { RtcCall, SignalingError } from "./rtc.js";
 import { LevelMeter, meterFraction } from "./meter.js";
-import { readStats, mouthToEar } from "./stats.js";
+import { readStats, mouthToEar, answerQueuedMs } from "./stats.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -37,6 +37,7 @@ const ui = {
   m2e: $("m2e"),
   m2eBar: $("m2e-bar"),
   m2eParts: $("m2e-parts"),
+  answerQueued: $("answer-queued"),
   statRtt: $("stat-rtt"),
   statJb: $("stat-jb"),
   statConcealed: $("stat-concealed"),
@@ -46,7 +47,6 @@ const ui = {
   srvQueue: $("srv-queue"),
   srvStep: $("srv-step"),
   srvVocoder: $("srv-vocoder"),
-  srvPlayout: $("srv-playout"),
   srvPing: $("srv-ping"),
   log: $("log"),
   logVerbose: $("log-verbose"),
@@ -641,11 +641,14 @@ function renderLatency() {
   ui.srvQueue.textContent = ms(server?.queue_wait_ms, 1);
   ui.srvStep.textContent = ms(server?.step_ms, 1);
   ui.srvVocoder.textContent = ms(server?.vocoder_ms, 1);
-  ui.srvPlayout.textContent = ms(server?.playout_depth_ms);
   ui.srvPing.textContent = ms(state.pingRttMs, 1);
 
   const estimate = mouthToEar({ rttMs: s.rttMs, jitterBufferMs: s.jitterBufferMs, server });
   ui.m2e.textContent = estimate ? `≈ ${Math.round(estimate.totalMs)} ms` : "—";
+  ui.m2e.dataset.ms = estimate ? String(estimate.totalMs) : "";
+  const queued = answerQueuedMs(server);
+  ui.answerQueued.textContent = ms(queued);
+  ui.answerQueued.dataset.ms = queued === undefined ? "" : String(queued);
   const parts = estimate?.parts ?? [];
   ui.m2eBar.replaceChildren(...parts.map(([name, value], i) => {
     const seg = document.createElement("span");

@@ -62,13 +62,19 @@ export function readStats(report, previous = null) {
 }
 
 /**
- * Estimated mouth-to-ear delay: what a word spends between the user's mouth and the agent's answer
- * reaching the user's ear, excluding the engine's own decision of when to answer and the audio
- * devices' capture/output latency (browsers do not report them for WebRTC audio).
+ * Estimated mouth-to-ear delay: the delays a sound the user makes goes through until the engine's
+ * audio that answers it reaches the user's ear, excluding the engine's own decision of when to
+ * answer and the audio devices' capture/output latency (browsers do not report them for WebRTC
+ * audio).
  *
  * Network: uplink ≈ RTT/2 and downlink ≈ RTT/2. Server: the window the sample waits in (the window
- * length, the worst case), queue wait and step time (the vocoder runs inside the step), then the
- * server's playout buffer. Client: the jitter buffer.
+ * length, the worst case), queue wait and step time (the vocoder runs inside the step). Client: the
+ * jitter buffer.
+ *
+ * Not in it: the server's playout buffer. Its depth is answer audio the engine has already made
+ * ahead of real time and that is waiting for its turn to play (an interruption drops it); it says
+ * how much of the answer is still to come, not how long the path takes, so it is shown apart as
+ * "answer queued" (`answerQueuedMs`).
  */
 export function mouthToEar({ rttMs, jitterBufferMs, server }) {
   if (rttMs === undefined || jitterBufferMs === undefined || !server) return null;
@@ -77,9 +83,13 @@ export function mouthToEar({ rttMs, jitterBufferMs, server }) {
     ["server window", server.deadline_ms ?? 0],
     ["queue wait", server.queue_wait_ms ?? 0],
     ["engine step", server.step_ms ?? 0],
-    ["server playout buffer", server.playout_depth_ms ?? 0],
     ["downlink (RTT/2)", rttMs / 2],
     ["jitter buffer", jitterBufferMs],
   ];
   return { totalMs: parts.reduce((sum, [, ms]) => sum + ms, 0), parts };
+}
+
+/** Answer audio waiting in the server's playout buffer (mean of recent windows), or undefined. */
+export function answerQueuedMs(server) {
+  return server?.playout_depth_ms;
 }

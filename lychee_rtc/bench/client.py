@@ -52,6 +52,11 @@ class MicrophoneTrack(MediaStreamTrack):
     def queued_s(self) -> float:
         return self._queued / RATE
 
+    @property
+    def sent_samples(self) -> int:
+        """Samples handed to the sender so far (queued audio and the silence between)."""
+        return self._n * FRAME
+
     def _take(self) -> np.ndarray:
         out = np.zeros(FRAME, dtype=np.float32)
         pos = 0
@@ -94,6 +99,11 @@ class ReceivedAudio:
     """Downlink audio placed by RTP timestamp (48 kHz mono)."""
 
     chunks: list[tuple[int, np.ndarray, float]] = field(default_factory=list)  # (offset, pcm, arrival)
+
+    @property
+    def end(self) -> int:
+        """Stream position just past the latest sample received (0 before any)."""
+        return max((off + len(pcm) for off, pcm, _ in self.chunks[-50:]), default=0)
 
     def signal(self, start: int = 0, end: int | None = None) -> np.ndarray:
         if not self.chunks:
@@ -195,7 +205,7 @@ class RtcClient:
         await self.pc.setLocalDescription(await self.pc.createOffer())
         return self.pc.localDescription.sdp
 
-    async def accept_answer(self, answer_sdp: str, timeout: float = 20.0) -> None:
+    async def accept_answer(self, answer_sdp: str, timeout: float = 60.0) -> None:
         """Apply the answer and wait until the data channel is open."""
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
         await asyncio.wait_for(self._channel_open.wait(), timeout)
@@ -233,7 +243,7 @@ class RtcClient:
     def events_of(self, event_type: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["type"] == event_type]
 
-    async def wait_event(self, event_type: str, timeout: float = 20.0, after: int = 0, **match: Any) -> dict[str, Any]:
+    async def wait_event(self, event_type: str, timeout: float = 60.0, after: int = 0, **match: Any) -> dict[str, Any]:
         """The first event of ``event_type`` (with ``match`` fields) at index >= ``after``."""
 
         def find() -> dict[str, Any] | None:
@@ -249,6 +259,23 @@ class RtcClient:
                 return found
 
         return await asyncio.wait_for(wait(), timeout)
+
+    async def wait_audio(self, offset: int, timeout: float = 60.0) -> None:
+        """Until downlink audio up to stream position ``offset`` (at 48 kHz) has arrived."""
+        await self._poll(lambda: self.received.end >= offset, timeout, f"downlink audio up to sample {offset}")
+
+    async def wait_sent(self, samples: int, timeout: float = 60.0) -> None:
+        """Until the microphone has sent ``samples`` samples in all (the uplink's own clock)."""
+        await self._poll(lambda: self.mic.sent_samples >= samples, timeout, f"{samples} uplink samples sent")
+
+    @staticmethod
+    async def _poll(done, timeout: float, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not done():
+            if loop.time() > deadline:
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+            await asyncio.sleep(0.02)
 
     async def close(self) -> None:
         for task in self._tasks:

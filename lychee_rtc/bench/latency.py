@@ -29,7 +29,6 @@ from lychee_rtc.bench.probes import (
     send_time,
 )
 from lychee_rtc.bench.server_process import cpu_seconds, spawned_server
-from lychee_rtc.config import REPO_ROOT
 
 MAX_LATENCY_S = 1.5  # a chirp heard later than this (or than its signature's next use) is counted as lost
 
@@ -188,8 +187,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("latency", help="mouth-to-ear latency with chirps against the loopback engine",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (default: start one with --config)")
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "loopback.yaml"),
-                   help="profile for the spawned server (default: configs/loopback.yaml)")
+    p.add_argument("--config", default="loopback",
+                   help="profile for the spawned server: a file or a shipped profile name (default: loopback)")
     p.add_argument("--server-jitter-buffer", choices=["lowlatency", "aiortc"], default="lowlatency",
                    help="inbound jitter buffer of the spawned server (to compare with aiortc's)")
     p.add_argument("--client-jitter-buffer", choices=["aiortc", "lowlatency"], default="aiortc",

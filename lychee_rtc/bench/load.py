@@ -24,7 +24,6 @@ from lychee_rtc.bench.client import RATE, RtcClient
 from lychee_rtc.bench.latency import analyse, probe_schedule
 from lychee_rtc.bench.probes import percentile
 from lychee_rtc.bench.server_process import cpu_seconds, spawned_server
-from lychee_rtc.config import REPO_ROOT
 
 COUNTERS = ("window_underruns", "window_late_samples", "window_gap_samples", "engine_windows_dropped",
             "playout_underrun_samples", "inbound_gaps")
@@ -128,8 +127,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("load", help="N concurrent calls; the largest N within a latency budget",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (default: start one with --config)")
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "loopback.yaml"),
-                   help="profile for the spawned server (default: configs/loopback.yaml)")
+    p.add_argument("--config", default="loopback",
+                   help="profile for the spawned server: a file or a shipped profile name (default: loopback)")
     p.add_argument("--sessions", default="1,2,4,8,12,16", help="comma-separated steps of N")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of probing per step")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between probes per session")

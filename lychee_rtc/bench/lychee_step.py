@@ -1,8 +1,8 @@
 """Per-window step time of the Lychee-FD runner at C1 / C2 / C4.
 
 ``lychee-rtc bench lychee-step`` runs the real runner (model, caches, sampling, state machine) on a
-tiny random checkpoint on CPU; ``scripts/bench_lychee_gpu.py`` uses the same measurement on a
-full-size random-weight model on a GPU. For each concurrency C it measures two steady states:
+tiny random checkpoint on CPU; ``lychee-rtc bench gpu`` measures the full-size model with the
+vocoder on a GPU, eager against CUDA graphs. For each concurrency C it measures two steady states:
 
 * listen: every session listening -> one 10-position forward per window for the batch,
 * speak: every session speaking -> 10 lockstep decode steps per window for the batch,
@@ -20,13 +20,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import numpy as np
-import torch
-
-from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
-from lychee_rtc.engine.lychee.runner import LycheeRunner, Mode
+if TYPE_CHECKING:  # torch and the model are imported when a benchmark runs, not by the CLI parser
+    from lychee_rtc.engine.lychee.runner import LycheeRunner
 
 WINDOW_MS = 400.0
 
@@ -49,6 +46,11 @@ class StepStats:
 def bench_runner(runner: LycheeRunner, sessions: int, windows: int, warmup: int = 3,
                  sync: Callable[[], None] | None = None, seed: int = 0) -> list[StepStats]:
     """Measure listen-only and speak-only windows with ``sessions`` slots stepped as one batch."""
+    import numpy as np
+
+    from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
+    from lychee_rtc.engine.lychee.runner import Mode
+
     rng = np.random.default_rng(seed)
     audio = [(0.05 * rng.standard_normal(6400)).astype(np.float32) for _ in range(8)]
     out: list[StepStats] = []
@@ -101,8 +103,10 @@ def format_table(stats: Sequence[StepStats]) -> str:
 def bench_tiny(concurrency: Sequence[int] = (1, 2, 4), windows: int = 20, threads: int | None = 1,
                max_seq: int = 2048) -> list[StepStats]:
     """The runner on a tiny random checkpoint (written to a temp folder), on CPU."""
+    import torch
+
     from lychee_rtc.engine.lychee.checkpoint import load_model
-    from lychee_rtc.engine.lychee.runner import RunnerSettings
+    from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
     from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
     from lychee_rtc.engine.lychee.tokenizer import Tokenizer
 
@@ -124,7 +128,7 @@ def bench_tiny(concurrency: Sequence[int] = (1, 2, 4), windows: int = 20, thread
 def add_parser(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("lychee-step", help="per-window step time of the Lychee-FD runner (tiny model, CPU)",
                              description="Per-window step time at C1/C2/C4 for the tiny random Lychee-FD on CPU. "
-                                         "For the full-size model on a GPU see scripts/bench_lychee_gpu.py.")
+                                         "For the full-size model on a GPU see `lychee-rtc bench gpu`.")
     p.add_argument("--windows", type=int, default=20, help="measured windows per state (default 20)")
     p.add_argument("--concurrency", default="1,2,4", help="comma-separated session counts (default 1,2,4)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")

@@ -1,4 +1,4 @@
-"""Silero VAD (the ONNX model shipped inside the silero-vad wheel) with explicit per-stream state.
+"""Silero VAD (its ONNX model ships in ``engine/data/``, MIT licence beside it) with explicit per-stream state.
 
 The model is stateless from onnxruntime's point of view: its recurrent state and the 64-sample
 context are passed in and out, so one ``InferenceSession`` serves every slot and a stream's state
@@ -8,7 +8,7 @@ is a small value the slot owns.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -18,8 +18,8 @@ CHUNK = 512  # 32 ms, the model's native step at 16 kHz
 CONTEXT = 64
 
 
-def _model_path() -> str:
-    return str(resources.files("silero_vad") / "data" / "silero_vad.onnx")
+# Kept in the package rather than taken from the silero-vad wheel, which would pull in PyTorch.
+MODEL_PATH = Path(__file__).resolve().parent / "data" / "silero_vad.onnx"
 
 
 @dataclass
@@ -34,7 +34,7 @@ class SileroVad:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(_model_path(), sess_options=opts, providers=["CPUExecutionProvider"])
+        self._session = ort.InferenceSession(str(MODEL_PATH), sess_options=opts, providers=["CPUExecutionProvider"])
         self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
 
     def process(self, stream: VadStream, samples: np.ndarray) -> np.ndarray:

@@ -2,46 +2,31 @@
 rate (mono float32) with one stateful PyAV resampler, and handed to the session's window clock.
 
 Loss shows up as a jump in the frames' timestamps; it is reported to the session as a gap so the
-missing time keeps its place (as silence) instead of shifting everything after it.
+missing time keeps its place (``media.uplink``) instead of shifting everything after it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import av
-import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from lychee_rtc.media.conceal import conceal
+from lychee_rtc.media.uplink import InboundCounters, UplinkTimeline
 from lychee_rtc.pcm import frames_to_array
 from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
 
-# A timestamp jump larger than this is a broken or restarted stream, not loss: the stream is
-# re-anchored instead of filling the jump (a backward step would otherwise read as a huge gap).
-MAX_GAP_S = 2.0
-
-
-@dataclass
-class InboundCounters:
-    frames: int = 0
-    gaps: int = 0
-    gap_seconds: float = 0.0
-    reordered_frames: int = 0  # older than what was already consumed: dropped
-    bad_frames: int = 0
-    stream_breaks: int = 0  # timestamp jumps too large to be loss (source restart, codec switch)
+__all__ = ["InboundCounters", "consume_audio", "drain"]
 
 
 async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counters: InboundCounters) -> None:
     rate = session.capabilities.input_rate
     resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
     source: tuple | None = None  # (rate, layout, format) the resampler was set up for
-    expected: float | None = None  # stream time (s) where the next frame should start
+    timeline = UplinkTimeline(rate, counters)
     aligned = False
-    previous = np.zeros(0, dtype=np.float32)  # the last decoded audio, for concealment
     while True:
         try:
             frame = await track.recv()
@@ -55,24 +40,15 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
             if source is not None:  # the sender switched codec: a new stream of another shape
                 counters.stream_breaks += 1
                 resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-                expected = None
+                timeline.restart()
             source = shape
         if frame.pts is not None and frame.time_base is not None and frame.sample_rate:
-            start = float(frame.pts * frame.time_base)
             duration = frame.samples / frame.sample_rate
-            if expected is not None:
-                delta = start - expected
-                if abs(delta) > MAX_GAP_S:
-                    counters.stream_breaks += 1  # real time kept flowing: the window clock filled it
-                elif delta > duration / 2:
-                    counters.gaps += 1
-                    counters.gap_seconds += delta
-                    n = round(delta * rate)
-                    session.push_gap(n, fill=conceal(previous, n, fade=round(duration * rate)))
-                elif delta < -duration / 2:
-                    counters.reordered_frames += 1
-                    continue
-            expected = start + duration
+            gap = timeline.place(float(frame.pts * frame.time_base), duration)
+            if gap is None:
+                continue
+            if gap:
+                session.push_gap(gap, fill=timeline.concealment(gap, duration))
         try:
             samples = frames_to_array(resampler.resample(frame))
         except (ValueError, av.FFmpegError) as exc:
@@ -87,7 +63,7 @@ async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counter
             if len(samples) < round(frame.samples * rate / frame.sample_rate):
                 continue
         if len(samples):
-            previous = samples
+            timeline.heard(samples)
             session.push_audio(samples)
 
 

@@ -12,14 +12,14 @@ import asyncio
 import fractions
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import av
 import numpy as np
 from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
 
-from lychee_rtc.media.playout import PlayoutBuffer, PlayoutCounters, PlayoutMark
+from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
 from lychee_rtc.session.sink import CutReport
 
 FRAME_MS = 20
@@ -32,14 +32,6 @@ LIVE_MARGIN_S = 0.003
 # waits this much past its time for audio that is about to arrive before sending silence.
 LIVE_LEAD_S = 0.015
 LIVE_GRACE_S = 0.004
-
-
-class PlayoutListener(Protocol):
-    def on_playout_started(self, epoch: int, response_id: str, sample_offset: int, rate: int) -> None: ...
-
-    def on_playout_finished(
-        self, epoch: int, response_id: str, played_samples: int, sample_offset: int, rate: int
-    ) -> None: ...
 
 
 @dataclass
@@ -64,14 +56,9 @@ class PacedAudioTrack(MediaStreamTrack):
         live: bool = False,
     ) -> None:
         super().__init__()
-        self.in_rate = in_rate
-        self.out_rate = out_rate
-        self.max_buffer_s = max_buffer_s
+        self.playout = EpochPlayout(in_rate, out_rate, max_buffer_s)
         self.counters = TrackCounters()
-        self.listener: PlayoutListener | None = None
         self._clock = clock
-        self._buffer = self._new_buffer(0)
-        self._retired = PlayoutCounters()
         self._t0: float | None = None
         self._frame_index = 0
         self.live = live
@@ -79,12 +66,26 @@ class PacedAudioTrack(MediaStreamTrack):
 
     # --- configuration -------------------------------------------------------------------------
 
+    @property
+    def in_rate(self) -> int:
+        return self.playout.in_rate
+
+    @property
+    def out_rate(self) -> int:
+        return self.playout.out_rate
+
+    @property
+    def listener(self) -> PlayoutListener | None:
+        return self.playout.listener
+
+    @listener.setter
+    def listener(self, listener: PlayoutListener | None) -> None:
+        self.playout.listener = listener
+
     def set_output_rate(self, rate: int) -> None:
         """Match the negotiated codec's clock; only before the first frame is sent."""
-        if self._t0 is not None or rate == self.out_rate:
-            return
-        self.out_rate = rate
-        self._buffer = self._new_buffer(self._buffer.epoch)
+        if self._t0 is None:
+            self.playout.set_output_rate(rate)
 
     @property
     def frame_samples(self) -> int:
@@ -94,54 +95,35 @@ class PacedAudioTrack(MediaStreamTrack):
 
     @property
     def epoch(self) -> int:
-        return self._buffer.epoch
+        return self.playout.epoch
 
     @property
     def depth_ms(self) -> float:
-        return 1000.0 * self._buffer.depth_samples / self.out_rate
+        return self.playout.depth_ms
 
     @property
     def sent_samples(self) -> int:
-        return self._frame_index * self.frame_samples
+        return self.playout.position
 
     def write(self, epoch: int, response_id: str, pcm: np.ndarray) -> bool:
-        if epoch != self._buffer.epoch:
+        if not self.playout.write(epoch, response_id, pcm):
             self.counters.stale_chunks += 1
             return False
-        self._buffer.write(response_id, pcm)
         self._audio_arrived.set()
         return True
 
     def end_response(self, epoch: int, response_id: str) -> bool:
-        if epoch != self._buffer.epoch:
+        if not self.playout.end_response(epoch, response_id):
             self.counters.stale_chunks += 1
             return False
-        self._buffer.end_response(response_id)
         return True
 
     def cut(self, new_epoch: int) -> CutReport:
         """Drop everything queued and start a fresh buffer for ``new_epoch``."""
-        old = self._buffer
-        playing = old.playing
-        self._fold_counters(old.counters)
-        self._buffer = self._new_buffer(new_epoch)
-        return CutReport(
-            old_epoch=old.epoch,
-            response_id=playing[0] if playing else None,
-            played_samples=playing[1] if playing else 0,
-            discarded_samples=old.depth_samples,
-            sample_offset=self.sent_samples,
-            rate=self.out_rate,
-        )
+        return self.playout.cut(new_epoch)
 
     def playout_counters(self) -> PlayoutCounters:
-        live = self._buffer.counters
-        return PlayoutCounters(
-            written_samples=self._retired.written_samples + live.written_samples,
-            played_samples=self._retired.played_samples + live.played_samples,
-            overflow_samples=self._retired.overflow_samples + live.overflow_samples,
-            underrun_samples=self._retired.underrun_samples + live.underrun_samples,
-        )
+        return self.playout.playout_counters()
 
     # --- aiortc ----------------------------------------------------------------------------------
 
@@ -166,7 +148,7 @@ class PacedAudioTrack(MediaStreamTrack):
         n = self.frame_samples
         while True:
             now = self._clock()
-            ready = self._buffer.depth_samples >= n
+            ready = self.playout.depth_samples >= n
             if (ready and now >= due - LIVE_LEAD_S) or now >= due + LIVE_GRACE_S:
                 break
             self._audio_arrived.clear()
@@ -177,42 +159,22 @@ class PacedAudioTrack(MediaStreamTrack):
                 pass
         if self._clock() < due:
             self.counters.early_frames += 1
-        excess = self._buffer.depth_samples - n - int(LIVE_MARGIN_S * self.out_rate)
+        excess = self.playout.depth_samples - n - int(LIVE_MARGIN_S * self.out_rate)
         if excess > 0:
-            self.counters.trimmed_samples += self._buffer.discard(excess)
+            self.counters.trimmed_samples += self.playout.discard(excess)
 
     def _next_frame(self) -> av.AudioFrame:
-        n = self.frame_samples
-        buffer = self._buffer
-        pcm, marks = buffer.read(n)
-        offset = self.sent_samples
+        epoch = self.playout.epoch
+        pcm, marks, offset = self.playout.read(self.frame_samples)
         self._frame_index += 1
         self.counters.frames += 1
-        if not marks and buffer.playing is None:
+        if not marks and self.playout.playing is None:
             self.counters.silent_frames += 1
-        if self.listener is not None:
-            for mark in marks:
-                self._notify(buffer.epoch, mark, offset)
+        for mark in marks:  # a WebRTC frame counts as heard once it leaves: RTP has no playout receipts
+            self.playout.notify(epoch, mark, offset)
         pcm16 = (np.clip(pcm, -1.0, 1.0) * 32767.0).astype(np.int16)
         frame = av.AudioFrame.from_ndarray(pcm16[None, :], format="s16", layout="mono")
         frame.sample_rate = self.out_rate
         frame.pts = offset
         frame.time_base = fractions.Fraction(1, self.out_rate)
         return frame
-
-    def _notify(self, epoch: int, mark: PlayoutMark, frame_offset: int) -> None:
-        assert self.listener is not None
-        where = frame_offset + mark.offset
-        if mark.kind == "started":
-            self.listener.on_playout_started(epoch, mark.response_id, where, self.out_rate)
-        else:
-            self.listener.on_playout_finished(epoch, mark.response_id, mark.played_samples, where, self.out_rate)
-
-    def _new_buffer(self, epoch: int) -> PlayoutBuffer:
-        return PlayoutBuffer(epoch, self.in_rate, self.out_rate, int(self.max_buffer_s * self.out_rate))
-
-    def _fold_counters(self, c: PlayoutCounters) -> None:
-        self._retired.written_samples += c.written_samples
-        self._retired.played_samples += c.played_samples
-        self._retired.overflow_samples += c.overflow_samples
-        self._retired.underrun_samples += c.underrun_samples

@@ -19,7 +19,9 @@ from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.sdp import SdpError
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.openai import routes as realtime
-from lychee_rtc.server.sessions import RtcCall, ServerFull, SessionManager
+from lychee_rtc.server.sessions import Call, RtcCall, ServerFull, SessionManager
+from lychee_rtc.server.telephony import MEDIA_PATH as TELEPHONY_MEDIA_PATH
+from lychee_rtc.server.telephony import add_routes as add_telephony_routes
 from lychee_rtc.session.protocol import validator
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,9 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
             response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
     else:
         token = settings.server.auth_token
-        protected = request.path.startswith(("/v1/", "/whip"))
-        # An ephemeral key on a call offer is checked by its route (it carries the call's configuration).
+        # Carriers authenticate their own way (server/telephony.py), never with our bearer token; an
+        # ephemeral key on a call offer is checked by its route (it carries the call's configuration).
+        protected = request.path.startswith(("/v1/", "/whip")) and not request.path.startswith(TELEPHONY_MEDIA_PATH)
         if token and protected and request.headers.get("Authorization") != f"Bearer {token}" \
                 and not realtime.presents_client_secret(request):
             response = _error(401, "unauthorized", "missing or wrong bearer token",
@@ -206,17 +209,18 @@ async def whip_post(request: web.Request) -> web.Response:
     return response
 
 
-def _call_or_404(request: web.Request) -> RtcCall | web.Response:
+def _call_or_404(request: web.Request, rtc_only: bool = False) -> Call | web.Response:
     call = request.app[MANAGER_KEY].calls.get(request.match_info["session_id"])
-    if call is None:
+    if call is None or (rtc_only and not isinstance(call, RtcCall)):
         return _error(404, "session_not_found", f"no session {request.match_info['session_id']!r}")
     return call
 
 
 async def whip_patch(request: web.Request) -> web.Response:
-    call = _call_or_404(request)
+    call = _call_or_404(request, rtc_only=True)
     if isinstance(call, web.Response):
         return call
+    assert isinstance(call, RtcCall)
     if request.content_type != WHIP_PATCH_TYPE:
         return _error(415, "unsupported_media_type", f"PATCH bodies must be {WHIP_PATCH_TYPE}",
                       headers={"Accept-Patch": WHIP_PATCH_TYPE})
@@ -304,6 +308,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_patch("/whip/{session_id}", whip_patch)
     app.router.add_delete("/whip/{session_id}", delete_session)
     realtime.install(app, settings, app[MANAGER_KEY])
+    if settings.telephony.enabled:
+        add_telephony_routes(app, settings, app[MANAGER_KEY])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if settings.metrics.enabled:

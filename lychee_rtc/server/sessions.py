@@ -1,8 +1,9 @@
-"""WebRTC sessions: one peer connection, one engine slot and one duplex session per call.
+"""Calls: one transport, one engine slot and one duplex session each.
 
-The manager owns admission (capacity), the offer/answer exchange, the peer's lifetime (connect
-timeout, media timeout for peers that vanish without closing, maximum duration) and clean-up, so a
-slot is always given back.
+The manager owns admission (capacity), the offer/answer exchange for WebRTC, every call's lifetime
+(connect timeout, media timeout for peers that vanish without closing, maximum duration) and
+clean-up, so a slot is always given back. Other ingresses (carrier WebSockets) admit and register
+their calls here too, so capacity, metrics and ``/v1/sessions`` cover every call alike.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import asyncio
 import logging
 import secrets
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.exceptions import OperationError
@@ -19,15 +22,17 @@ from aiortc.sdp import candidate_from_sdp
 
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
-from lychee_rtc.engine.scheduler import Engine
+from lychee_rtc.engine.scheduler import Engine, EngineSlot
 from lychee_rtc.media.inbound import InboundCounters, consume_audio, drain
 from lychee_rtc.media.jitter import install_jitter_buffer
 from lychee_rtc.media.outbound import PacedAudioTrack
+from lychee_rtc.media.playout import PlayoutCounters
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, RealtimeTranslator
 from lychee_rtc.server.openai.session_config import RealtimeProfile
 from lychee_rtc.session.session import DuplexSession
+from lychee_rtc.session.sink import AudioSink
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,21 @@ class ServerFull(Exception):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__("the server is at capacity")
         self.retry_after_s = retry_after_s
+
+
+class Call(Protocol):
+    """What the manager needs of a call, whatever its transport."""
+
+    session: DuplexSession
+    tasks: list[asyncio.Task]
+    connected_at: float | None
+    folded: dict[str, int]
+
+    def snapshot(self) -> dict: ...
+
+    def playout_counters(self) -> PlayoutCounters: ...
+
+    async def close_transport(self) -> None: ...
 
 
 @dataclass
@@ -56,8 +76,16 @@ class RtcCall:
     has_audio: bool = False
     folded: dict[str, int] = field(default_factory=dict)  # counters already added to Prometheus
 
+    def playout_counters(self) -> PlayoutCounters:
+        return self.track.playout_counters()
+
+    async def close_transport(self) -> None:
+        self.track.stop()
+        await self.pc.close()
+
     def snapshot(self) -> dict:
         snap = self.session.snapshot()
+        snap["transport"] = "webrtc"
         snap["connection_state"] = self.pc.connectionState
         snap["codec"] = self.codec
         snap["counters"].update({
@@ -77,10 +105,13 @@ class SessionManager:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
-        self.calls: dict[str, RtcCall] = {}
+        self.calls: dict[str, Call] = {}
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
         self.realtime_profile = RealtimeProfile.build(settings, engine.capabilities)
+        # Put in every session id; a cluster worker sets its worker id here so that an entry can
+        # route a session's follow-up requests from the id alone.
+        self.id_prefix = ""
 
     @property
     def capacity(self) -> int:
@@ -101,36 +132,57 @@ class SessionManager:
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
                      metrics: bool = False) -> RtcCall:
         validate_offer(offer_sdp)
+        async with self.admission(options or SessionOptions()) as slot:
+            return await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics)
+
+    @asynccontextmanager
+    async def admission(self, options: SessionOptions) -> AsyncIterator[EngineSlot]:
+        """A slot for a new call, or ServerFull. If the body fails, the slot goes back.
+
+        The body must ``register`` its call before it returns; from then on the call owns the slot.
+        """
         if self.closing or self.free <= 0:
             self.metrics.sessions_refused.inc()
             raise ServerFull(self.settings.session.retry_after_s)
         self._reserved += 1
         try:
-            return await self._create(offer_sdp, options or SessionOptions(), whip, metrics)
+            try:
+                slot = await self.engine.open(options)
+            except CapacityError:
+                self.metrics.sessions_refused.inc()
+                raise ServerFull(self.settings.session.retry_after_s) from None
+            try:
+                yield slot
+            except BaseException:
+                # Whatever failed (bad SDP, aiortc, cancellation at shutdown), the slot goes back.
+                await slot.close()
+                raise
         finally:
             self._reserved -= 1
 
-    async def _create(self, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
-        try:
-            slot = await self.engine.open(options)
-        except CapacityError:
-            self.metrics.sessions_refused.inc()
-            raise ServerFull(self.settings.session.retry_after_s) from None
-        try:
-            return await self._connect(slot, offer_sdp, options, whip, metrics)
-        except BaseException:
-            # Whatever failed (bad SDP, aiortc, cancellation at shutdown), the slot goes back.
-            await slot.close()
-            raise
+    def new_session(self, slot: EngineSlot, sink: AudioSink, options: SessionOptions,
+                    metrics: bool = False) -> DuplexSession:
+        caps = self.engine.capabilities
+        return DuplexSession(f"sess_{self.id_prefix}{secrets.token_hex(8)}", self.settings.session, slot, sink,
+                             engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics)
+
+    def register(self, call: Call) -> None:
+        """Count the call, start its session and its watchdog; closing the session tears it down."""
+        session = call.session
+        self.calls[session.id] = call
+        self.metrics.sessions_total.inc()
+        self.metrics.active_sessions.set(len(self.calls))
+        session.on_close = lambda reason: self._teardown(call, reason)
+        session.start()
+        call.tasks.append(asyncio.create_task(self._watchdog(call), name=f"watchdog-{session.id}"))
 
     async def _connect(self, slot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool) -> RtcCall:
         caps = self.engine.capabilities
         pc = RTCPeerConnection(self.rtc_configuration())
         track = PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
                                 live=caps.live_passthrough)
-        session_id = "sess_" + secrets.token_hex(8)
-        session = DuplexSession(session_id, self.settings.session, slot, track, engine_name=caps.name,
-                                observer=self.metrics, options=options, metrics_enabled=metrics)
+        session = self.new_session(slot, track, options, metrics)
+        session_id = session.id
         track.listener = session
         call = RtcCall(session=session, pc=pc, track=track, codec="", whip=whip)
         self._wire(call)
@@ -145,28 +197,23 @@ class SessionManager:
                     other.direction = "inactive"  # video or a second audio line: not received at all
             await pc.setLocalDescription(await pc.createAnswer())
         except OperationError:
-            await self._abandon(call)
+            await call.close_transport()
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True) from None
         except BaseException as exc:  # aiortc's parsers raise assorted errors on bad SDP
-            await self._abandon(call)
+            await call.close_transport()
             if not isinstance(exc, Exception):
                 raise
             raise SdpError(f"cannot use SDP offer: {exc}") from None
         codec = negotiated_audio_codec(pc.localDescription.sdp)
         if codec is None:
-            await self._abandon(call)
+            await call.close_transport()
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True)
         call.codec = codec[0]
         track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
         call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or session_id}"'
-        self.calls[session_id] = call
-        self.metrics.sessions_total.inc()
-        self.metrics.active_sessions.set(len(self.calls))
-        session.on_close = lambda reason: self._teardown(call, reason)
-        session.start()
-        call.tasks.append(asyncio.create_task(self._watchdog(call), name=f"watchdog-{session_id}"))
+        self.register(call)
         return call
 
     def _codec_preferences(self) -> list:
@@ -238,7 +285,7 @@ class SessionManager:
 
     # --- lifetime ----------------------------------------------------------------------------------
 
-    async def _watchdog(self, call: RtcCall) -> None:
+    async def _watchdog(self, call: Call) -> None:
         s = self.settings.session
         session = call.session
         try:
@@ -258,14 +305,14 @@ class SessionManager:
         except asyncio.CancelledError:
             pass
 
-    def _fold_counters(self, call: RtcCall) -> None:
+    def _fold_counters(self, call: Call) -> None:
         clock = call.session.window_clock.counters
         current = {
             "underruns": clock.underruns,
             "late": clock.late_samples,
             "gap": clock.gap_samples,
             "overload": call.session.slot.counters.windows_dropped,
-            "playout_underrun": call.track.playout_counters().underrun_samples,
+            "playout_underrun": call.playout_counters().underrun_samples,
         }
         targets = {
             "underruns": self.metrics.underrun_windows,
@@ -279,7 +326,7 @@ class SessionManager:
             if delta > 0:
                 targets[key].inc(delta)
             call.folded[key] = value
-        self.metrics.playout_depth.labels(call.session.id).set(call.track.depth_ms / 1000.0)
+        self.metrics.playout_depth.labels(call.session.id).set(call.session.sink.depth_ms / 1000.0)
 
     async def close(self, session_id: str, reason: str) -> bool:
         call = self.calls.get(session_id)
@@ -288,7 +335,7 @@ class SessionManager:
         await call.session.close(reason)  # calls _teardown through session.on_close
         return True
 
-    async def _teardown(self, call: RtcCall, reason: str) -> None:
+    async def _teardown(self, call: Call, reason: str) -> None:
         if self.calls.pop(call.session.id, None) is None:
             return
         log.info("session %s closed: %s", call.session.id, reason)
@@ -299,17 +346,14 @@ class SessionManager:
         for task in call.tasks:
             if task is not current:
                 task.cancel()
-        call.track.stop()
-        await call.pc.close()
-
-    async def _abandon(self, call: RtcCall) -> None:
-        call.track.stop()
-        await call.pc.close()
+        await call.close_transport()
 
     async def close_all(self, reason: str) -> None:
         self.closing = True
         while self.calls or self._reserved:
             for session_id in list(self.calls):
                 await self.close(session_id, reason)
-            if self._reserved:  # offers still being answered: let them finish, then close them too
+            if self._reserved or self.calls:
+                # Offers still being answered, or calls already closing on their own (a carrier
+                # socket draining): let them finish, then close what is left.
                 await asyncio.sleep(0.05)

@@ -11,12 +11,13 @@ import itertools
 import json
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "signaling" / "events.schema.json"
+from lychee_rtc.resources import shared_path
+
+SCHEMA_PATH = shared_path("signaling") / "events.schema.json"
 MAX_MESSAGE_BYTES = 64 * 1024
 
 

@@ -1,6 +1,7 @@
 """The duplex session: epochs, response ids, turn state, the event protocol and the window clock.
 
-Transport-agnostic: the transport feeds decoded 16 kHz audio in (``push_audio`` / ``push_gap``),
+Transport-agnostic: the transport feeds decoded 16 kHz audio in (``push_audio`` / ``push_gap``,
+and keypad digits with ``push_dtmf``),
 hands client messages to ``handle_message``, plays what the session writes into its ``AudioSink``
 and reports playout marks back. Everything here runs on one event loop, which is what makes the
 interrupt sequence of ARCHITECTURE section 4 atomic.
@@ -237,6 +238,14 @@ class DuplexSession:
         now = self.clock() if now is None else now
         self.last_audio_at = now
         self._forward_windows(self.window_clock.gap(n, now, fill))
+
+    def push_dtmf(self, digit: str) -> None:
+        """A keypad digit from the caller: reported, and it interrupts the agent like a barge-in."""
+        if self.closed:
+            return
+        self.emit("input_audio_buffer.dtmf_event_received", epoch=self.epoch, event=digit, received_at=time.time())
+        if self.active_response is not None:
+            self.interrupt("dtmf")
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))

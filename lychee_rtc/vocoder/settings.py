@@ -12,6 +12,7 @@ Profile shape (proposed key ``engine.lychee.token2wav``; any mapping works)::
       default_voice: default_male
       max_cached_voices: 4
       long_stream: extend     # or error (see docs/token2wav.md)
+      cuda_graphs: auto       # the flow's per-hop solve as CUDA graphs: auto (on CUDA) | on | off
 
 Errors name the key (``<prefix>.voices.default_male``), like the rest of the settings.
 """
@@ -39,10 +40,12 @@ class Token2WavSettings:
     hop: int = 10
     max_cached_voices: int = 4
     long_stream: str = "extend"
+    cuda_graphs: str = "auto"
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "engine.lychee.token2wav") -> "Token2WavSettings":
-        known = {"folder", "voices", "default_voice", "device", "dtype", "hop", "max_cached_voices", "long_stream"}
+        known = {"folder", "voices", "default_voice", "device", "dtype", "hop", "max_cached_voices", "long_stream",
+                 "cuda_graphs"}
         for key in data:
             if key not in known:
                 raise VocoderSettingsError(f"{prefix}.{key}: unknown key")
@@ -82,7 +85,14 @@ class Token2WavSettings:
         long_stream = str(data.get("long_stream", "extend"))
         if long_stream not in ("extend", "error"):
             raise VocoderSettingsError(f"{prefix}.long_stream: must be extend or error")
-        return cls(folder, voices, default, device, dtype, hop, cached, long_stream)
+        cuda_graphs = data.get("cuda_graphs", "auto")
+        if isinstance(cuda_graphs, bool):  # YAML reads an unquoted on/off as a boolean
+            cuda_graphs = "on" if cuda_graphs else "off"
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise VocoderSettingsError(f"{prefix}.cuda_graphs: must be auto, on or off")
+        if cuda_graphs == "on" and device == "cpu":
+            raise VocoderSettingsError(f"{prefix}.cuda_graphs: on needs a CUDA device (device is cpu)")
+        return cls(folder, voices, default, device, dtype, hop, cached, long_stream, cuda_graphs)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -99,4 +109,4 @@ def build_token2wav_pool(settings: Token2WavSettings | Mapping[str, Any]):
     return Token2WavPool.load(settings.folder, settings.voices, settings.default_voice,
                               device=settings.resolved_device(), dtype=settings.dtype,
                               max_cached_voices=settings.max_cached_voices, hop=settings.hop,
-                              long_stream=settings.long_stream)
+                              long_stream=settings.long_stream, cuda_graphs=settings.cuda_graphs)

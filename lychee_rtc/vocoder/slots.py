@@ -136,11 +136,12 @@ class Token2WavPool:
     @classmethod
     def load(cls, folder: str | Path, voices: Mapping[str, str | Path], default_voice: str | None = None,
              device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
-             max_cached_voices: int = 4, hop: int = 10, long_stream: str = "extend") -> "Token2WavPool":
+             max_cached_voices: int = 4, hop: int = 10, long_stream: str = "extend",
+             cuda_graphs: str = "auto") -> "Token2WavPool":
         if isinstance(dtype, str):
             dtype = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
                      "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}[dtype]
-        model = Token2Wav.load(folder, device=device, dtype=dtype)
+        model = Token2Wav.load(folder, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
         bank = VoiceBank(model, voices, default_voice, max_cached=max_cached_voices)
         return cls(model, bank, StreamRules(hop=hop, long_stream=long_stream))  # type: ignore[arg-type]
 

@@ -2,9 +2,12 @@
 
 Rules (Step-Audio-2 / Lychee-FD, hop 10, look-ahead 3):
 
-* A hop is synthesised when ``hop + lookahead`` (13) codes are pending. The call carries all 13;
-  the encoder uses the last 3 only as look-ahead and returns mel for 10 (20 frames). The stream
-  then advances by ``hop`` - the 3 look-ahead codes start the next call.
+* A hop is synthesised when *more than* ``hop + lookahead`` (13) codes are pending, the rule of the
+  Lychee-FD reference. The call carries 13; the encoder uses the last 3 only as look-ahead and
+  returns mel for 10 (20 frames). The stream then advances by ``hop`` - the 3 look-ahead codes start
+  the next call. Waiting for the 14th code is not a formality: the chunking changes the audio
+  (chunk-causal DiT), and with exactly 13 pending at the end the reference renders all 13 in one
+  final call, not a hop plus a 3-code final.
 * HiFT re-vocodes the previous 8 mel frames with the new ones (excitation head overwritten by the
   cached one), cross-fades the first 3840 samples with the held tail (Hamming 7680), and holds
   the last 3840 samples back for the next cross-fade.
@@ -59,7 +62,8 @@ class StreamRules:
             raise ValueError("look-ahead must equal the flow's pre_lookahead_len (3)")
 
     @property
-    def emit_at(self) -> int:
+    def tokens_per_call(self) -> int:
+        """Codes one hop call carries (hop + look-ahead); a hop waits until more than this are pending."""
         return self.hop + self.lookahead
 
 
@@ -200,8 +204,8 @@ class VocoderStream:
 
     def _next_job(self) -> _Job | None:
         # hops first, also when finishing: the final call only takes what is left after them
-        if self.active and len(self._pending) >= self.rules.emit_at:
-            return _Job(self, self._pending[: self.rules.emit_at], False, self.rules.hop)
+        if self.active and len(self._pending) > self.rules.tokens_per_call:
+            return _Job(self, self._pending[: self.rules.tokens_per_call], False, self.rules.hop)
         if self.state == "finishing":
             return _Job(self, list(self._pending), True, len(self._pending))
         return None

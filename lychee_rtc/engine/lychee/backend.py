@@ -37,6 +37,7 @@ from ..base import (
 )
 from .audio import SAMPLE_RATE, WINDOW_SAMPLES
 from .checkpoint import load_model, parse_dtype
+from .graphs import GRAPH_MODES
 from .runner import LycheeRunner, RunnerSettings, SlotResult
 from .tokenizer import Tokenizer
 
@@ -68,6 +69,9 @@ class LycheeEngineSettings:
     strict_codec_range: bool = False
     seed: int = 0
     context_reserve_windows: int = 25
+    # auto: the window step runs as captured CUDA graphs on a GPU, eagerly on a CPU; on: graphs
+    # required (start-up fails without CUDA); off: eager everywhere (graphs.py).
+    cuda_graphs: str = "auto"
     torch_threads: int | None = None  # CPU: 1 is fastest for the tiny model on a shared machine
     progress: bool = True
     # The Token2Wav vocoder (shape and checks in lychee_rtc/vocoder/settings.py); absent or null:
@@ -81,6 +85,8 @@ class LycheeEngineSettings:
             if key not in known:
                 raise SettingsError(f"engine.lychee.{key}: unknown setting (known: {', '.join(sorted(known))})")
         values = dict(options)
+        if isinstance(values.get("cuda_graphs"), bool):  # YAML reads an unquoted on/off as a boolean
+            values["cuda_graphs"] = "on" if values["cuda_graphs"] else "off"
         for key, value in values.items():
             f = known[key]
             want = str(f.type)
@@ -109,6 +115,11 @@ class LycheeEngineSettings:
             raise SettingsError(f"engine.lychee.dtype: {exc}") from None
         if s.device not in ("auto", "cpu") and not s.device.startswith("cuda"):
             raise SettingsError(f"engine.lychee.device: expected auto, cpu or cuda[:N], got {s.device!r}")
+        if s.cuda_graphs not in GRAPH_MODES:
+            raise SettingsError(f"engine.lychee.cuda_graphs: expected one of {', '.join(GRAPH_MODES)}, "
+                                f"got {s.cuda_graphs!r}")
+        if s.cuda_graphs == "on" and s.device == "cpu":
+            raise SettingsError("engine.lychee.cuda_graphs: on needs a CUDA device (device is cpu)")
         for key in ("max_text_tokens", "max_speech_tokens"):
             if getattr(s, key) <= 0:
                 raise SettingsError(f"engine.lychee.{key}: must be > 0")
@@ -136,7 +147,7 @@ class LycheeEngineSettings:
             temperature=self.temperature, no_repeat_ngram=self.no_repeat_ngram,
             max_text_tokens=self.max_text_tokens, max_speech_tokens=self.max_speech_tokens,
             stoken_delay_num=self.stoken_delay_num, strict_codec_range=self.strict_codec_range,
-            seed=self.seed, context_reserve_windows=self.context_reserve_windows,
+            seed=self.seed, context_reserve_windows=self.context_reserve_windows, cuda_graphs=self.cuda_graphs,
         )
 
     def resolved_device(self) -> torch.device:
@@ -173,9 +184,13 @@ class LycheeBackend:
         t0 = time.monotonic()
         self.model = load_model(settings.model_root, dtype=settings.dtype, device=device, progress=settings.progress)
         self.tokenizer = Tokenizer.from_dir(settings.model_root)
-        self.runner = LycheeRunner(self.model, self.tokenizer, max_sessions, settings.runner_settings())
-        log.info("lychee engine ready in %.1fs: %s on %s, %d slots, %d positions each",
-                 time.monotonic() - t0, settings.dtype, device, max_sessions, settings.max_seq)
+        try:
+            self.runner = LycheeRunner(self.model, self.tokenizer, max_sessions, settings.runner_settings())
+        except ValueError as exc:  # e.g. cuda_graphs: on where torch sees no CUDA device
+            raise SettingsError(f"engine.lychee: {exc}") from None
+        log.info("lychee engine ready in %.1fs: %s on %s, %d slots, %d positions each, %s",
+                 time.monotonic() - t0, settings.dtype, device, max_sessions, settings.max_seq,
+                 "CUDA graphs" if self.runner.graphs_captured else "eager")
         self.settings = settings
         self.vocoder_factory = vocoder_factory
         self.vocoders: dict[int, SlotVocoder] = {}

@@ -15,8 +15,9 @@ tables are never used and never materialised.
 
 gpt-fast conventions: every stack owns static KV caches ``(max_batch, kv_heads, max_seq, head_dim)``
 written with ``update(rows, input_pos, k, v)``; callers pass absolute positions (and the cache rows
-of the sessions in the batch) explicitly, so nothing depends on hidden counters and the step can be
-captured in a CUDA graph later. q/k/v and gate/up are fused at load time (``checkpoint_targets``).
+of the sessions in the batch) explicitly, so nothing depends on hidden counters and the runner's
+window step is captured as a CUDA graph (``graphs.py``). Caches hold one row per session plus one
+scratch row for the padding rows of a batch bucket. q/k/v and gate/up are fused at load time (``checkpoint_targets``).
 """
 
 from __future__ import annotations

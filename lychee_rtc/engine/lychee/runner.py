@@ -18,6 +18,12 @@ transfer at the end, where the per-slot state machine (responses, barge-in, natu
 
 State of a slot lives in :class:`SlotState` (host) and in rows of a few device buffers indexed by
 slot (KV caches, speech history for the 4-gram rule, rule counters); closing a slot resets both.
+
+Static shapes (``graphs.py``): each group's batch is padded to a bucket (1, 2, 4, 8, ...) and its
+inputs are copied into that bucket's fixed buffers; the listening forward and the speaking window
+(all ten decode steps) are functions of those buffers, replayed as CUDA graphs on a GPU and called
+eagerly elsewhere. Every group of a step is launched first; the results of all of them come back
+to the host in one transfer at the end of the step.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from ..base import (
 )
 from .audio import encode_windows, mel_filterbank
 from .config import LycheeConfig, SpecialTokens
+from .graphs import BatchRows, StaticProgram, batch_rows, bucket_for, bucket_sizes, fetch, use_cuda_graphs
 from .model import LycheeFD
 from .sampling import (
     SpeechRuleState,
@@ -81,6 +88,7 @@ class RunnerSettings:
     seed: int = 0
     # Listening with fewer than this many windows of context left resets the conversation.
     context_reserve_windows: int = 25
+    cuda_graphs: str = "auto"  # auto: captured on CUDA, eager elsewhere; on: CUDA required; off: eager
 
 
 class Mode(enum.Enum):
@@ -120,6 +128,39 @@ class SlotState:
 
 
 @dataclass
+class ListenBuffers:
+    """Fixed inputs of one listening program (bucket b, T positions per row)."""
+
+    tokens: Tensor  # (b, 3, T) text, stoken, control fed at each position
+    audio: Tensor  # (b, T, H) audio channel
+    audio_idx: Tensor  # (b, T) row of the step's flattened encoder features, -1: <|AudioPad|>
+    pos: Tensor  # (b, T) absolute positions
+    rows: Tensor  # (b,) cache rows
+
+
+@dataclass
+class SpeakBuffers:
+    """Fixed inputs of one speaking program (bucket b, ten decode steps)."""
+
+    pending: Tensor  # (b, 3) the decided, not yet fed tokens of position 10k-1
+    audio: Tensor  # (b, 10, H)
+    audio_idx: Tensor  # (b, 10)
+    base_pos: Tensor  # (b, 1) absolute position of the first fed token
+    hist_len: Tensor  # (b,) speech channel length before the window
+    rows: Tensor  # (b,)
+    temperature: Tensor  # (b,) float32, <= 0: greedy
+    noise: Tensor  # (b, 10, R) uniform draws of each row's own generator
+
+
+@dataclass
+class Program:
+    kind: str  # "listen" | "speak"
+    rows: BatchRows
+    buffers: ListenBuffers | SpeakBuffers
+    run: StaticProgram
+
+
+@dataclass
 class SlotResult:
     events: list[EngineEvent]
     codes: list[int]  # codec ids decided this window (for a vocoder)
@@ -146,7 +187,10 @@ class LycheeRunner:
         if settings.max_seq < self.prefix_len + 4 * CHUNK:
             raise ValueError(f"max_seq {settings.max_seq} leaves no room after the {self.prefix_len}-token prefix")
         self.max_post = settings.max_seq - self.prefix_len
-        model.setup_caches(max_sessions, settings.max_seq)
+        # One row per slot plus a scratch row that padding rows of a bucket may write (graphs.py).
+        self.scratch = max_sessions
+        self.buckets = bucket_sizes(max_sessions)
+        model.setup_caches(max_sessions + 1, settings.max_seq)
         self.filters = mel_filterbank(device=self.device)
         t = self.tok
         delay = self.cfg.stoken_delay_num if settings.stoken_delay_num is None else settings.stoken_delay_num
@@ -158,12 +202,19 @@ class LycheeRunner:
         self.listen_rows = torch.tensor([t.start_speaking, t.keep_listening], device=self.device)
         self.speak_rows = torch.tensor([t.start_listening, t.keep_speaking], device=self.device)
         # Device rows indexed by slot: the speech channel (for the 4-gram rule) and rule counters.
-        self.speech_history = torch.full((max_sessions, settings.max_seq), t.stoken_pad, dtype=torch.long, device=self.device)
-        z = torch.zeros(max_sessions, dtype=torch.long, device=self.device)
+        rows = max_sessions + 1
+        self.speech_history = torch.full((rows, settings.max_seq), t.stoken_pad, dtype=torch.long, device=self.device)
+        z = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.text_rule = TextRuleState(z.clone(), z.clone().bool())
         self.speech_rule = SpeechRuleState(z.clone(), z.clone(), z.clone().bool())
         self.slots: list[SlotState | None] = [None] * max_sessions
         self._rid_prefix = "resp_"
+        self.programs: dict[tuple[str, int, int, bool], Program] = {}
+        # Graphs are captured here, before any slot opens: a capture's warm-up writes the caches.
+        self.graphs_captured = use_cuda_graphs(settings.cuda_graphs, self.device)
+        self.use_graphs = self.graphs_captured  # False replays nothing (eager), e.g. to compare
+        if self.graphs_captured:
+            self.capture_graphs()
 
     def system_prefix(self, instructions: str | None) -> list[int]:
         text = SYSTEM_TEMPLATE.format(instructions=instructions or DEFAULT_INSTRUCTIONS)
@@ -319,13 +370,26 @@ class LycheeRunner:
             states.append(state)
         windows = torch.from_numpy(np.stack([np.asarray(w, dtype=np.float32) for _, w, _ in items])).to(self.device)
         feats = encode_windows(self.model.encoder, self.model.adapter, self.filters, windows)
+        feats = feats.reshape(-1, feats.shape[-1])  # row 5i+j: feature j of item i
 
         listen = [i for i, s in enumerate(states) if s.mode is Mode.LISTENING]
         speak = [i for i, s in enumerate(states) if s.mode is Mode.SPEAKING]
+        # Launch every group, then one transfer for all of them: no host sync inside the window.
+        launched: list[tuple[str, list[int]]] = []
+        outs: list[Tensor] = []
         for group in self._by_length(states, listen):
-            self._listen(group, states, feats, results)
+            launched.append(("listen", group))
+            outs += self._run(self._launch_listen(group, states), feats, len(group))
         if speak:
-            self._speak(speak, states, feats, results)
+            launched.append(("speak", speak))
+            outs += self._run(self._launch_speak(speak, states), feats, len(speak))
+        host = fetch(outs)
+        for n, (kind, group) in enumerate(launched):
+            first, probs = host[2 * n], host[2 * n + 1]
+            if kind == "listen":
+                self._finish_listen(group, states, results, first, probs)
+            else:
+                self._finish_speak(group, states, results, first, probs)
         return results
 
     def _by_length(self, states: list[SlotState], idx: list[int]) -> list[list[int]]:
@@ -359,25 +423,100 @@ class LycheeRunner:
                                           "this conversation was reset; the session continues"))
             self._start_context(state)
 
-    # -- audio channel for the positions a window feeds ---------------------------------------
+    # -- static programs ------------------------------------------------------------------------
 
-    def _audio_slots(self, state: SlotState, feats: Tensor, n: int) -> Tensor:
-        """(n, H): feature j of this window at position 10k+2j, E[<|AudioPad|>] elsewhere."""
+    def _program(self, kind: str, positions: int, rows: BatchRows) -> Program:
+        key = (kind, positions, rows.size, rows.contiguous)
+        prog = self.programs.get(key)
+        if prog is None:
+            if len(self.programs) >= 8 * len(self.buckets):  # bounded: kinds x lengths x buckets x 2
+                raise RuntimeError(f"unexpected program shape {key}")
+            prog = self._new_program(kind, positions, rows)
+            self.programs[key] = prog
+        return prog
+
+    def _new_program(self, kind: str, positions: int, rows: BatchRows) -> Program:
+        b, dev, t = rows.size, self.device, self.tok
+        h = self.model.embed_tokens.weight.shape[1]
+        # Valid defaults (padding values) so that a capture's warm-up computes something sane.
+        row_t = torch.tensor(rows.rows, device=dev)
+        audio = torch.zeros((b, positions, h), dtype=self.dtype, device=dev)
+        audio_idx = torch.full((b, positions), -1, dtype=torch.long, device=dev)
+        cache_rows = None if rows.contiguous else row_t
+        if kind == "listen":
+            pads = torch.tensor([t.text_pad, t.stoken_pad, t.sleep], device=dev)
+            lb = ListenBuffers(tokens=pads[None, :, None].repeat(b, 1, positions).contiguous(), audio=audio,
+                               audio_idx=audio_idx, pos=torch.arange(positions, device=dev).repeat(b, 1),
+                               rows=row_t)
+
+            def listen() -> tuple[Tensor, Tensor]:
+                scores = self.listen_window(lb.tokens[:, 0], lb.tokens[:, 1], lb.tokens[:, 2], lb.audio, lb.pos,
+                                            cache_rows)
+                return control_decision(scores, self.settings.start_speak_factor)
+
+            return Program(kind, rows, lb, StaticProgram(listen))
+        r = self.speech_slice.stop - self.speech_slice.start
+        sb = SpeakBuffers(
+            pending=torch.tensor([[t.text_pad, t.stoken_pad, t.sleep]] * b, device=dev), audio=audio,
+            audio_idx=audio_idx, base_pos=torch.zeros((b, 1), dtype=torch.long, device=dev),
+            hist_len=torch.zeros(b, dtype=torch.long, device=dev), rows=row_t,
+            temperature=torch.zeros(b, dtype=torch.float32, device=dev),
+            noise=torch.full((b, CHUNK, r), 0.5, dtype=torch.float32, device=dev))
+
+        def speak() -> tuple[Tensor, Tensor]:
+            return self.speak_window(sb.pending, sb.audio, sb.base_pos, sb.hist_len, sb.rows, cache_rows,
+                                     sb.temperature, sb.noise)
+
+        return Program(kind, rows, sb, StaticProgram(speak))
+
+    def capture_graphs(self) -> None:
+        """Capture the steady-state programs of every bucket as CUDA graphs (largest first, one
+        memory pool). Only before any slot is open: warm-up runs write the caches of their rows.
+        A listening group's first window (9 positions, once per conversation) stays eager."""
+        if any(s is not None for s in self.slots):
+            raise RuntimeError("capture_graphs: slots are open; their caches would be overwritten")
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):
+            for contiguous in (True, False):
+                rows = BatchRows(tuple(range(b)) if contiguous else (self.scratch,) * b, contiguous)
+                for kind in ("speak", "listen"):
+                    with torch.no_grad():
+                        self._program(kind, CHUNK, rows).run.capture(pool)
+        # Rows 0..b-1 and the scratch row now hold warm-up values: clear them for their owners.
+        self.model.reset_rows(list(range(self.max_sessions + 1)))
+        self.speech_history.fill_(self.tok.stoken_pad)
+        for t in (self.text_rule.count, self.text_rule.has_eos, self.speech_rule.prefix_count,
+                  self.speech_rule.count, self.speech_rule.has_eos):
+            t.zero_()
+        log.info("captured %d CUDA graphs (buckets %s)", len(self.programs), list(self.buckets))
+
+    def _batch_rows(self, slots: list[int]) -> BatchRows:
+        busy = {i for i, s in enumerate(self.slots) if s is not None}
+        return batch_rows(slots, bucket_for(len(slots), self.buckets), busy, self.scratch)
+
+    def _upload(self, dst: Tensor, src: np.ndarray) -> None:
+        # From pageable memory the copy is staged at once and never waits for the device.
+        dst.copy_(torch.from_numpy(src), non_blocking=True)
+
+    def _audio_index(self, state: SlotState, item: int, n: int) -> list[int]:
+        """Audio channel of the positions fed: feature j of this window at 10k+2j, pad elsewhere."""
         start = state.window * CHUNK
-        idx = [(p - start) // 2 if p >= start and p % 2 == 0 else -1 for p in range(state.fed, state.fed + n)]
-        idx_t = torch.tensor(idx, device=feats.device)
-        pad = self.model.embed_tokens.weight[self.tok.audio_pad]
-        picked = feats[idx_t.clamp(min=0)].to(pad.dtype)
-        return torch.where((idx_t >= 0)[:, None], picked, pad)
+        return [5 * item + (p - start) // 2 if p >= start and p % 2 == 0 else -1
+                for p in range(state.fed, state.fed + n)]
 
-    def _rows(self, slots: list[int]) -> Tensor | None:
-        if slots == list(range(len(slots))):
-            return None  # the batch is cache rows 0..B-1: read the caches as views
-        return torch.tensor(slots, device=self.device)
+    def _run(self, prog: Program, feats: Tensor, n: int) -> list[Tensor]:
+        """Fill the audio channel, run (or replay) the program, keep the first ``n`` rows."""
+        buf = prog.buffers
+        pad = self.model.embed_tokens.weight[self.tok.audio_pad]
+        picked = feats[buf.audio_idx.clamp(min=0)].to(pad.dtype)
+        buf.audio.copy_(torch.where((buf.audio_idx >= 0)[..., None], picked, pad))
+        out = prog.run() if self.use_graphs else prog.run.fn()
+        # Graph outputs are overwritten by the next replay: copy the real rows out.
+        return [out[0][:n].clone(), out[1][:n].clone()]
 
     # -- listening: one forward over the window's positions -------------------------------------
 
-    def _listen(self, group: list[int], states: list[SlotState], feats: Tensor, results: list[SlotResult]) -> None:
+    def _launch_listen(self, group: list[int], states: list[SlotState]) -> Program:
         t = self.tok
         batch = [states[i] for i in group]
         for s in batch:  # positions up to 10k+8 are forced pads (Sleep..., Detect at slot 8)
@@ -386,15 +525,30 @@ class LycheeRunner:
                 s.stoken.append(t.stoken_pad)
                 s.control.append(t.detect if p % CHUNK == CHUNK - 2 else t.sleep)
         n = len(batch[0].text) - batch[0].fed
-        dev = self.device
-        text = torch.tensor([s.text[s.fed:] for s in batch], device=dev)
-        stoken = torch.tensor([s.stoken[s.fed:] for s in batch], device=dev)
-        control = torch.tensor([s.control[s.fed:] for s in batch], device=dev)
-        audio = torch.stack([self._audio_slots(s, feats[i], n) for s, i in zip(batch, group)])
-        pos = torch.tensor([[s.prefix_len + s.fed + j for j in range(n)] for s in batch], device=dev)
-        decision = self.listen_window(text, stoken, control, audio, pos, self._rows([s.index for s in batch]))
-        choice, probs = control_decision(decision, self.settings.start_speak_factor)
-        choice_l, probs_l = choice.tolist(), probs.tolist()  # the one host transfer of this group
+        rows = self._batch_rows([s.index for s in batch])
+        prog = self._program("listen", n, rows)
+        b = rows.size
+        tokens = np.empty((b, 3, n), dtype=np.int64)
+        tokens[:] = np.array([t.text_pad, t.stoken_pad, t.sleep])[:, None]
+        pos = np.tile(np.arange(n, dtype=np.int64), (b, 1))
+        audio_idx = np.full((b, n), -1, dtype=np.int64)
+        for r, (s, i) in enumerate(zip(batch, group)):
+            tokens[r] = [s.text[s.fed:], s.stoken[s.fed:], s.control[s.fed:]]
+            pos[r] += s.prefix_len + s.fed
+            audio_idx[r] = self._audio_index(s, i, n)
+        buf = prog.buffers
+        assert isinstance(buf, ListenBuffers)
+        self._upload(buf.tokens, tokens)
+        self._upload(buf.pos, pos)
+        self._upload(buf.audio_idx, audio_idx)
+        self._upload(buf.rows, np.array(rows.rows, dtype=np.int64))
+        return prog
+
+    def _finish_listen(self, group: list[int], states: list[SlotState], results: list[SlotResult],
+                       choice_l: list[int], probs_l: list[list[float]]) -> None:
+        t = self.tok
+        batch = [states[i] for i in group]
+        n = len(batch[0].text) - batch[0].fed
         for s, i, c, p in zip(batch, group, choice_l, probs_l):
             s.fed += n
             s.window += 1
@@ -441,39 +595,57 @@ class LycheeRunner:
 
     # -- speaking: 10 lockstep decode steps -------------------------------------------------------
 
-    def _speak(self, idx: list[int], states: list[SlotState], feats: Tensor, results: list[SlotResult]) -> None:
+    def _launch_speak(self, idx: list[int], states: list[SlotState]) -> Program:
+        t = self.tok
         batch = [states[i] for i in idx]
-        dev = self.device
-        slots = [s.index for s in batch]
-        rows_t = torch.tensor(slots, device=dev)
-        audio = torch.stack([self._audio_slots(s, feats[i], CHUNK) for s, i in zip(batch, idx)])
-        pending = torch.tensor([[s.text[-1], s.stoken[-1], s.control[-1]] for s in batch], device=dev)
-        base_pos = torch.tensor([[s.prefix_len + s.fed] for s in batch], device=dev)
-        hist_len = torch.tensor([len(s.stoken) for s in batch], device=dev)
-        temperature = torch.tensor([s.temperature for s in batch], device=dev, dtype=torch.float32)
-        gens = [s.generator for s in batch]
-        tokens, probs = self.speak_window(pending, audio, base_pos, hist_len, rows_t, self._rows(slots),
-                                          temperature, gens)
-        tokens_l, probs_l = tokens.tolist(), probs.tolist()  # the one host transfer of the window
-        for s, i, toks, p in zip(batch, idx, tokens_l, probs_l):
+        rows = self._batch_rows([s.index for s in batch])
+        prog = self._program("speak", CHUNK, rows)
+        buf = prog.buffers
+        assert isinstance(buf, SpeakBuffers)
+        b = rows.size
+        pending = np.tile(np.array([t.text_pad, t.stoken_pad, t.sleep], dtype=np.int64), (b, 1))
+        base_pos = np.zeros((b, 1), dtype=np.int64)
+        hist_len = np.zeros(b, dtype=np.int64)
+        temperature = np.zeros(b, dtype=np.float32)
+        audio_idx = np.full((b, CHUNK), -1, dtype=np.int64)
+        for r, (s, i) in enumerate(zip(batch, idx)):
+            pending[r] = [s.text[-1], s.stoken[-1], s.control[-1]]
+            base_pos[r] = s.prefix_len + s.fed
+            hist_len[r] = len(s.stoken)
+            temperature[r] = s.temperature
+            audio_idx[r] = self._audio_index(s, i, CHUNK)
+            # Each row's own generator, drawn for the whole window at once (the same values, in
+            # the same order, as ten draws of one step each).
+            assert s.generator is not None
+            buf.noise[r].uniform_(generator=s.generator)
+        for dst, src in ((buf.pending, pending), (buf.base_pos, base_pos), (buf.hist_len, hist_len),
+                         (buf.temperature, temperature), (buf.audio_idx, audio_idx),
+                         (buf.rows, np.array(rows.rows, dtype=np.int64))):
+            self._upload(dst, src)
+        return prog
+
+    def _finish_speak(self, idx: list[int], states: list[SlotState], results: list[SlotResult],
+                      tokens_l: list[list[list[int]]], probs_l: list[list[float]]) -> None:
+        for i, toks, p in zip(idx, tokens_l, probs_l):
+            s = states[i]
             s.fed += CHUNK
             s.window += 1
             self._finish_speaking_window(s, results[i], toks, {"start_listening": p[0], "keep_speaking": p[1]})
 
     def speak_window(self, pending: Tensor, audio: Tensor, base_pos: Tensor, hist_len: Tensor, rows_t: Tensor,
-                     rows: Tensor | None, temperature: Tensor, generators: list) -> tuple[Tensor, Tensor]:
+                     rows: Tensor | None, temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
         """Ten decode steps for B speaking rows. Returns tokens (B, 10, 3) and slot-9 probabilities."""
         text_rule = TextRuleState(self.text_rule.count[rows_t], self.text_rule.has_eos[rows_t])
         speech_rule = SpeechRuleState(self.speech_rule.prefix_count[rows_t], self.speech_rule.count[rows_t],
                                       self.speech_rule.has_eos[rows_t])
         cur = pending
-        ended = torch.zeros(pending.shape[0], dtype=torch.bool, device=self.device)
+        ended = torch.zeros(pending.shape[0], dtype=torch.bool, device=pending.device)
         outs = []
-        probs = torch.zeros((pending.shape[0], 2), device=self.device)
+        probs = torch.zeros((pending.shape[0], 2), device=pending.device)
         for j in range(CHUNK):
             cur, text_rule, speech_rule, ended, p = self.speak_step(
                 j, cur, audio[:, j:j + 1], base_pos + j, hist_len + j, rows_t, rows, text_rule, speech_rule,
-                ended, temperature, generators)
+                ended, temperature, noise[:, j])
             outs.append(cur)
             if p is not None:
                 probs = p
@@ -484,7 +656,7 @@ class LycheeRunner:
 
     def speak_step(self, j: int, cur: Tensor, audio: Tensor, pos: Tensor, hist_len: Tensor, rows_t: Tensor,
                    rows: Tensor | None, text_rule: TextRuleState, speech_rule: SpeechRuleState, ended: Tensor,
-                   temperature: Tensor, generators: list):
+                   temperature: Tensor, noise: Tensor):
         """Feed one position per row (tokens ``cur`` (B, 3)), decide the next: text, then merge
         with E[that text], then speech; control forced except at slot 9."""
         m, t, st = self.model, self.tok, self.settings
@@ -496,7 +668,6 @@ class LycheeRunner:
                                       end_speak_factor=st.end_speak_factor)
         speech_h = m.merge(out.stoken_hidden, m.embed_tokens(text)[:, None], ctx)
         logits = m.head(speech_h[:, -1], self.speech_slice)
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=self.device) for g in generators])
         history = self.speech_history[rows_t]
         speech, speech_rule = sample_speech(
             logits, self.speech_slice.start, cur[:, 1], history, hist_len, speech_rule, prefix=self.speech_prefix,

@@ -245,14 +245,21 @@ def write_tiny_checkpoint(out: str | Path, *, seed: int = 0, spec: TinySpec | No
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True}, indent=2))
 
+    write_tiny_tokenizer(out, spec)
+    return out
+
+
+def write_tiny_tokenizer(out: Path, spec: TinySpec) -> None:
+    """The slow-tokenizer files (``vocab.json``, ``merges.txt``, ``tokenizer_config.json``; no
+    ``tokenizer.json``), as a checkpoint saved from the reference's ``use_fast=False`` tokenizer has
+    them: byte tokens and no merges, then the added tokens with their ids."""
     byte_tokens, added = tiny_vocab(spec)
-    (out / "vocab.json").write_text(json.dumps(byte_tokens, ensure_ascii=False))
-    (out / "merges.txt").write_text("#version: 0.2\n")
+    (out / "vocab.json").write_text(json.dumps(byte_tokens, ensure_ascii=False), encoding="utf-8")
+    (out / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in added.items()},
-    }, ensure_ascii=False, indent=2))
-    return out
+    }, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,44 +1,33 @@
-"""A small byte-level BPE tokenizer for the Lychee-FD checkpoint folder.
+"""The Qwen2 / Step-Audio-2 byte-level BPE tokenizer of a Lychee-FD checkpoint folder.
 
 The runner needs two things from the tokenizer: the ids of the fixed system prefix
 ``<|BOT|>system\\nYou are a helpful assistant.<|EOT|>`` and the text of the tokens the model emits
-(as incremental UTF-8, since one character may span several byte tokens). Both are read from the
-standard Qwen2 files: ``tokenizer.json`` if present, otherwise ``vocab.json`` + ``merges.txt``,
-with added tokens from ``tokenizer_config.json`` (``added_tokens_decoder``) and/or
-``added_tokens.json``. No ``transformers`` dependency and no remote code.
+(as incremental UTF-8, since one character may span several byte tokens). Encoding and decoding run
+in Hugging Face ``tokenizers`` (the ``model`` extra). The folder gives either ``tokenizer.json``
+(loaded as it is) or the slow-tokenizer files ``vocab.json`` + ``merges.txt``, from which the
+tokenizer is assembled the way Qwen2's own ``tokenizer.json`` is (NFC, the Qwen2 split pattern,
+byte-level). Added tokens come from ``tokenizer_config.json`` (``added_tokens_decoder``) and/or
+``added_tokens.json`` and keep their ids. No ``transformers`` dependency and no remote code.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 SYSTEM_PREFIX = "<|BOT|>system\nYou are a helpful assistant.<|EOT|>"
 
-try:  # the exact Qwen2 pre-tokenizer needs Unicode classes; ``regex`` has them
-    import regex as _regex  # type: ignore[import-not-found]
-
-    _PRETOKENIZE = _regex.compile(
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    )
-except ImportError:  # close approximation with ``re``; identical on ASCII text such as the prefix
-    _PRETOKENIZE = re.compile(
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\w]?[^\W\d_]+|\d| ?[^\s\w]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    )
-
-
-# BPE over one pre-token is quadratic in its length; a pre-token longer than this (a run of CJK text
-# without spaces, a pasted blob) is merged in pieces of this many byte symbols, which bounds the
-# cost. Ordinary words are far shorter and tokenize exactly as with the reference tokenizer.
-MAX_BPE_WORD = 128
+# Qwen2's pre-tokenizer split pattern (letters, single digits, punctuation runs, newlines, spaces).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -50,117 +39,196 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
 class TokenizerError(ValueError):
     pass
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path}: not readable JSON ({exc})") from exc
+
+
+def _read_merges(path: Path) -> list[str]:
+    merges = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line or line.startswith("#version"):
+            continue
+        if len(line.split(" ")) != 2:
+            raise TokenizerError(f"{path}:{n}: a merge is two tokens separated by one space, got {line!r}")
+        merges.append(line)
+    return merges
+
+
+def _declared_added_tokens(root: Path) -> dict[str, dict]:
+    """Added tokens the slow-tokenizer files declare: content -> tokenizer.json-style entry."""
+    added: dict[str, dict] = {}
+    tc = root / "tokenizer_config.json"
+    if tc.is_file():
+        for tid, tok in (_read_json(tc).get("added_tokens_decoder") or {}).items():
+            try:
+                added[tok["content"]] = {"id": int(tid), "content": tok["content"],
+                                         "special": bool(tok.get("special", True))}
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TokenizerError(f"{tc}: bad added_tokens_decoder entry {tid!r}: {tok!r}") from exc
+    at = root / "added_tokens.json"
+    if at.is_file():
+        for content, tid in _read_json(at).items():
+            if not isinstance(tid, int):
+                raise TokenizerError(f"{at}: id of {content!r} must be an integer, got {tid!r}")
+            prev = added.get(content)
+            added[content] = {"id": tid, "content": content, "special": prev["special"] if prev else True}
+    return added
+
+
+def _added_entry(tok: dict) -> dict:
+    # As Qwen2 declares them: matched verbatim (before NFC), never stripped, never single-word.
+    return {"id": tok["id"], "content": tok["content"], "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": tok["special"]}
+
+
+def qwen2_tokenizer_json(vocab: dict[str, int], merges: list[str], added: list[dict]) -> dict:
+    """The ``tokenizer.json`` document of a Qwen2 byte-level BPE with these parts."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [_added_entry(t) for t in sorted(added, key=lambda t: t["id"])],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            byte_level,
+        ]},
+        "post_processor": byte_level,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+                  "vocab": vocab, "merges": merges},
+    }
+
+
+def pin_added_ids(document: dict, source: str) -> tuple[dict[str, int], list[dict]]:
+    """Give every added token its declared id; returns the model vocabulary as it was and the
+    added-token entries.
+
+    ``tokenizers`` numbers an added token that is new to the model vocabulary consecutively after
+    the highest id so far, which is right for a released Qwen2 vocabulary (added ids follow it
+    without a gap) but not for a layout with gaps. An added token that is also in the model
+    vocabulary keeps that id, so each one is put there under its id; BPE never produces such a
+    token itself (no merge leads to it), and it is still matched as a whole before pre-tokenising.
+    """
+    model = document.get("model")
+    added = document.get("added_tokens") or []
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise TokenizerError(f"{source}: expected a BPE model with a vocabulary")
+    vocab: dict[str, int] = model["vocab"]
+    original = dict(vocab)
+    by_id = {i: t for t, i in vocab.items()}
+    for tok in added:
+        content, tid = tok.get("content"), tok.get("id")
+        if not isinstance(content, str) or not content or isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise TokenizerError(f"{source}: bad added token {tok!r}")
+        if vocab.get(content, tid) != tid:
+            raise TokenizerError(f"{source}: added token {content!r} has id {tid}, "
+                                 f"but the vocabulary has it at {vocab[content]}")
+        if by_id.get(tid, content) != content:
+            raise TokenizerError(f"{source}: added token {content!r} has id {tid}, "
+                                 f"which the vocabulary gives to {by_id[tid]!r}")
+        vocab[content] = tid
+        by_id[tid] = content
+    return original, added
+
+
 class Tokenizer:
-    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], added: dict[str, int]):
-        self.vocab = dict(vocab)
-        self.added = dict(added)
-        self.id_to_token: dict[int, str] = {i: t for t, i in self.vocab.items()}
-        self.id_to_added: dict[int, str] = {i: t for t, i in self.added.items()}
-        self.ranks = {pair: i for i, pair in enumerate(merges)}
-        self.byte_encoder = bytes_to_unicode()
-        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
-        # Longest first, so "<|EOT|>" is never split by a shorter added token.
-        specials = sorted(self.added, key=len, reverse=True)
-        self._special_re = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
+    """Encode text to ids and ids back to text or bytes; a thin layer over ``tokenizers``."""
+
+    def __init__(self, document: dict, source: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.source = source
+        vocab, added = pin_added_ids(document, source)
+        try:
+            self._tk = HFTokenizer.from_str(json.dumps(document))
+        except Exception as exc:  # the library's own error types vary between versions
+            raise TokenizerError(f"{source}: not a usable tokenizer ({exc})") from exc
+        for tok in added:
+            if self._tk.token_to_id(tok["content"]) != tok["id"]:  # guards the id rule above
+                raise TokenizerError(f"{source}: added token {tok['content']!r} did not keep id {tok['id']}")
+        # A byte-level vocabulary must spell every byte, or some text could not be encoded at all
+        # (the library would drop the byte silently: there is no unknown token).
+        missing = [b for b, c in bytes_to_unicode().items() if c not in vocab]
+        if missing:
+            raise TokenizerError(f"{source}: the vocabulary lacks the byte-level token of byte "
+                                 f"0x{missing[0]:02x}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
+        self.id_to_added: dict[int, str] = {i: t.content for i, t in self._tk.get_added_tokens_decoder().items()}
+        self.id_to_token: dict[int, str] = {i: t for t, i in vocab.items() if i not in self.id_to_added}
 
     # -- loading ---------------------------------------------------------------------------
 
     @classmethod
     def from_dir(cls, root: str | Path) -> "Tokenizer":
         root = Path(root)
-        vocab: dict[str, int]
-        merges: list[tuple[str, str]] = []
-        added: dict[str, int] = {}
+        declared = _declared_added_tokens(root)
         tj = root / "tokenizer.json"
         if tj.is_file():
-            data = json.loads(tj.read_text(encoding="utf-8"))
-            model = data.get("model", {})
-            vocab = dict(model.get("vocab", {}))
-            for m in model.get("merges", []):
-                pair = tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
-                merges.append(pair)  # type: ignore[arg-type]
-            for tok in data.get("added_tokens", []):
-                added[tok["content"]] = int(tok["id"])
-        elif (root / "vocab.json").is_file():
-            vocab = json.loads((root / "vocab.json").read_text(encoding="utf-8"))
-            mp = root / "merges.txt"
-            if mp.is_file():
-                for line in mp.read_text(encoding="utf-8").splitlines():
-                    if not line or line.startswith("#version"):
-                        continue
-                    a, _, b = line.partition(" ")
-                    merges.append((a, b))
-        else:
+            document = _read_json(tj)
+            if not isinstance(document, dict) or not isinstance(document.get("added_tokens", []), list):
+                raise TokenizerError(f"{tj}: not a tokenizers document")
+            # tokenizer.json is authoritative; tokens only the config files name are added to it.
+            present = {t.get("content") for t in document.get("added_tokens", [])}
+            document.setdefault("added_tokens", []).extend(
+                _added_entry(t) for c, t in declared.items() if c not in present)
+            return cls(document, str(tj))
+        vp = root / "vocab.json"
+        if not vp.is_file():
             raise TokenizerError(f"{root}: no tokenizer.json or vocab.json")
-        tc = root / "tokenizer_config.json"
-        if tc.is_file():
-            for tid, tok in json.loads(tc.read_text(encoding="utf-8")).get("added_tokens_decoder", {}).items():
-                added[tok["content"]] = int(tid)
-        at = root / "added_tokens.json"
-        if at.is_file():
-            added.update({k: int(v) for k, v in json.loads(at.read_text(encoding="utf-8")).items()})
-        return cls(vocab, merges, added)
+        vocab = _read_json(vp)
+        if not isinstance(vocab, dict):
+            raise TokenizerError(f"{vp}: expected an object of token -> id")
+        mp = root / "merges.txt"
+        merges = _read_merges(mp) if mp.is_file() else []
+        return cls(qwen2_tokenizer_json(vocab, merges, list(declared.values())), str(vp))
+
+    @classmethod
+    def from_parts(cls, vocab: dict[str, int], merges: list[tuple[str, str]],
+                   added: dict[str, int]) -> "Tokenizer":
+        """From a vocabulary, merges in rank order and added (special) tokens held in memory."""
+        entries = [{"id": i, "content": t, "special": True} for t, i in added.items()]
+        return cls(qwen2_tokenizer_json(dict(vocab), [f"{a} {b}" for a, b in merges], entries), "<in memory>")
 
     # -- lookup ----------------------------------------------------------------------------
 
     def token_to_id(self, token: str) -> int | None:
-        if token in self.added:
-            return self.added[token]
-        return self.vocab.get(token)
+        return self._tk.token_to_id(token)
 
     def __len__(self) -> int:
         return max(list(self.id_to_token) + list(self.id_to_added)) + 1
 
-    # -- encode ----------------------------------------------------------------------------
-
-    def _bpe(self, word: str) -> list[str]:
-        parts = list(word)
-        while len(parts) > 1:
-            best = min(range(len(parts) - 1), key=lambda i: self.ranks.get((parts[i], parts[i + 1]), 1 << 62))
-            if (parts[best], parts[best + 1]) not in self.ranks:
-                break
-            parts[best:best + 2] = [parts[best] + parts[best + 1]]
-        return parts
+    # -- encode / decode -------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        pos = 0
-        pieces: list[tuple[str, bool]] = []
-        if self._special_re is not None:
-            for m in self._special_re.finditer(text):
-                pieces.append((text[pos:m.start()], False))
-                pieces.append((m.group(0), True))
-                pos = m.end()
-        pieces.append((text[pos:], False))
-        for piece, special in pieces:
-            if special:
-                ids.append(self.added[piece])
-                continue
-            for word in _PRETOKENIZE.findall(piece):
-                mapped = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
-                for start in range(0, len(mapped), MAX_BPE_WORD):
-                    for tok in self._bpe(mapped[start:start + MAX_BPE_WORD]):
-                        if tok not in self.vocab:
-                            raise TokenizerError(f"token {tok!r} not in vocabulary")
-                        ids.append(self.vocab[tok])
-        return ids
+        return self._tk.encode(text, add_special_tokens=False).ids
 
-    # -- decode ----------------------------------------------------------------------------
+    def decode(self, ids: list[int]) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        if token_id in self.id_to_added:
-            return self.id_to_added[token_id].encode("utf-8")
+        """The bytes one token stands for (an added token: its text); unknown ids give nothing."""
+        added = self.id_to_added.get(token_id)
+        if added is not None:
+            return added.encode("utf-8")
         tok = self.id_to_token.get(token_id)
         if tok is None:
             return b""
-        return bytes(self.byte_decoder.get(c, 0) for c in tok)
-
-    def decode(self, ids: list[int]) -> str:
-        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+        table = _unicode_to_bytes()
+        return bytes(table[c] for c in tok if c in table)
 
 
 class IncrementalDetokenizer:

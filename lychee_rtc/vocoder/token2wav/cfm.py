@@ -19,6 +19,7 @@ from torch import nn
 
 from .config import FlowConfig
 from .dit import DiT
+from .graphs import GraphedSolve
 
 
 @dataclass
@@ -60,6 +61,11 @@ class CausalConditionalCFM(nn.Module):
         g = torch.Generator().manual_seed(noise_seed)
         noise = torch.randn(1, cfg.output_size, cfg.noise_frames, generator=g)
         self.register_buffer("rand_noise", noise, persistent=False)
+        self.graphs: GraphedSolve | None = None  # CUDA graphs of the solve (graphs.py), when enabled
+        self.use_graphs = True
+
+    def enable_cuda_graphs(self, max_graphs: int = 4) -> None:
+        self.graphs = GraphedSolve(self._solve, max_graphs=max_graphs)
 
     def set_noise(self, noise: torch.Tensor) -> None:
         if noise.shape[:2] != self.rand_noise.shape[:2]:
@@ -80,6 +86,13 @@ class CausalConditionalCFM(nn.Module):
         or None; key_mask [2B, T+L] for padded caches. Returns (x, new_att, new_cnn) with the new
         caches in the same batched layout.
         """
+        # Streaming hops only (caches present): priming a voice is a one-off shape.
+        streaming = att is not None and cnn is not None
+        if self.graphs is not None and self.use_graphs and streaming and n_timesteps in (None, self.cfg.n_timesteps):
+            return self.graphs(z, mu, spks, cond, att, cnn, key_mask)
+        return self._solve(z, mu, spks, cond, att, cnn, key_mask, n_timesteps)
+
+    def _solve(self, z, mu, spks, cond, att=None, cnn=None, key_mask=None, n_timesteps: int | None = None):
         n = n_timesteps or self.cfg.n_timesteps
         t_span = cosine_t_span(n, mu.device, mu.dtype)
         b = z.shape[0]

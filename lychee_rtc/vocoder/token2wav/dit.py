@@ -34,7 +34,8 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         half = self.freq_dim // 2
-        freqs = torch.exp(-math.log(10000) * torch.arange(half) / half).to(t)
+        # Made on t's device: a host-to-device copy here could not be captured in a CUDA graph.
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half).to(t)
         args = (t * 1000)[:, None] * freqs[None]
         return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
 

@@ -17,6 +17,7 @@ import torch
 from .config import FlowConfig, load_flow_config
 from .flow import ESTIMATOR_KEEP_FRAMES, Flow, FlowState
 from .frontend import PromptFeatures, PromptFrontend, read_audio
+from .graphs import use_cuda_graphs
 from .hift import HiFTGenerator
 from .loader import load_flow, load_hift
 
@@ -68,14 +69,18 @@ class Token2Wav:
     @classmethod
     def load(cls, folder: str | Path, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, noise_seed: int = 0,
-             tokenizer_device: str | torch.device | None = None) -> "Token2Wav":
-        """Load a released-layout folder. ``dtype`` applies to the flow (HiFT stays fp32)."""
+             tokenizer_device: str | torch.device | None = None, cuda_graphs: str = "auto") -> "Token2Wav":
+        """Load a released-layout folder. ``dtype`` applies to the flow (HiFT stays fp32).
+        ``cuda_graphs``: auto | on | off for the flow's per-hop solve (``graphs.py``)."""
         folder = Path(folder)
         device = torch.device(device)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"unsupported flow dtype {dtype}")
+        graphed = use_cuda_graphs(cuda_graphs, device)
         config = load_flow_config(folder)
         flow = load_flow(folder, config, device, dtype, noise_seed)
+        if graphed:
+            flow.decoder.enable_cuda_graphs()
         hift = load_hift(folder, device)
         frontend = PromptFrontend(folder, tokenizer_device or device)
         return cls(flow, hift, frontend, device, folder)

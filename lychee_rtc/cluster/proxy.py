@@ -1,0 +1,122 @@
+"""HTTP forwarding from the entry to a worker: the request as it came, the response as it went.
+
+Status, headers (repeated ones such as WHIP's ``Link`` included) and body pass through unchanged;
+only hop-by-hop headers are dropped and ``X-Forwarded-For`` is added. A worker that cannot be
+connected to raises ``WorkerUnreachable`` before anything reached it, so an offer can safely go to
+another worker; once the request was sent, a failure is the client's 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+HOP_BY_HOP = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
+    "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
+# The connection was never made (aiohttp >= 3.10 tells this timeout apart from a slow answer).
+CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # answers and session snapshots are a few kB
+
+
+class WorkerUnreachable(Exception):
+    """No connection to the worker could be made: the request did not reach it."""
+
+
+class WorkerFailed(Exception):
+    """The worker took the request but gave no complete answer (it died, or took too long)."""
+
+
+def forward_headers(request: web.Request) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in request.headers.items():
+        if name.lower() not in HOP_BY_HOP:
+            headers.add(name, value)
+    peer = request.remote
+    if peer:
+        previous = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{previous}, {peer}" if previous else peer
+    return headers
+
+
+async def forward(http: aiohttp.ClientSession, base_url: str, request: web.Request, body: bytes,
+                  timeout: aiohttp.ClientTimeout, path_qs: str | None = None) -> web.Response:
+    url = base_url + (path_qs if path_qs is not None else request.path_qs)
+    try:
+        async with http.request(request.method, url, headers=forward_headers(request), data=body or None,
+                                timeout=timeout, allow_redirects=False) as upstream:
+            data = await upstream.content.read(MAX_RESPONSE_BYTES + 1)
+            if len(data) > MAX_RESPONSE_BYTES:
+                raise WorkerFailed(f"response from {base_url} exceeds {MAX_RESPONSE_BYTES} bytes")
+            headers: CIMultiDict[str] = CIMultiDict()
+            for name, value in upstream.headers.items():
+                if name.lower() not in HOP_BY_HOP:
+                    headers.add(name, value)
+            return web.Response(status=upstream.status, headers=headers, body=data)
+    except CONNECT_TIMEOUT as exc:
+        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc}") from None
+    except aiohttp.ClientConnectorError as exc:
+        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc.os_error or exc}") from None
+    except asyncio.TimeoutError:
+        raise WorkerFailed(f"no answer from {base_url} within {timeout.total:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise WorkerFailed(f"{base_url} failed: {type(exc).__name__}: {exc}") from None
+
+
+# WebSocket handshake headers: the entry makes its own handshake with the worker.
+WS_HANDSHAKE = frozenset(h.lower() for h in (
+    "Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions", "Sec-WebSocket-Protocol"))
+MAX_WS_MESSAGE_BYTES = 1024 * 1024
+
+
+async def _pump(source, sink) -> None:
+    """Frames from ``source`` to ``sink`` until ``source`` closes; then ``sink`` closes with its code."""
+    async for message in source:
+        if message.type == aiohttp.WSMsgType.TEXT:
+            await sink.send_str(message.data)
+        elif message.type == aiohttp.WSMsgType.BINARY:
+            await sink.send_bytes(message.data)
+        elif message.type == aiohttp.WSMsgType.ERROR:
+            break
+    code = source.close_code if source.close_code is not None else aiohttp.WSCloseCode.GOING_AWAY
+    await sink.close(code=code)
+
+
+async def open_websocket(http: aiohttp.ClientSession, base_url: str, request: web.Request,
+                         handshake_timeout_s: float) -> aiohttp.ClientWebSocketResponse | web.Response:
+    """The worker's side of a WebSocket (or, when the worker refuses the handshake, its status)."""
+    headers = CIMultiDict((k, v) for k, v in forward_headers(request).items() if k.lower() not in WS_HANDSHAKE)
+    protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+    url = base_url.replace("http", "ws", 1) + request.path_qs
+    try:
+        return await asyncio.wait_for(
+            http.ws_connect(url, headers=headers, protocols=protocols, autoping=True,
+                            max_msg_size=MAX_WS_MESSAGE_BYTES), handshake_timeout_s)
+    except CONNECT_TIMEOUT as exc:
+        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc}") from None
+    except aiohttp.ClientConnectorError as exc:
+        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc.os_error or exc}") from None
+    except aiohttp.WSServerHandshakeError as exc:
+        return web.Response(status=exc.status, text=exc.message or "")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise WorkerFailed(f"{base_url} failed: {type(exc).__name__}: {exc}") from None
+
+
+async def relay_websocket(request: web.Request, upstream: aiohttp.ClientWebSocketResponse) -> web.WebSocketResponse:
+    """Frames both ways between the client and the worker until one side closes (its code passes on)."""
+    downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
+                                       max_msg_size=MAX_WS_MESSAGE_BYTES, autoping=True)
+    try:
+        await downstream.prepare(request)
+        pumps = {asyncio.ensure_future(_pump(downstream, upstream)), asyncio.ensure_future(_pump(upstream, downstream))}
+        _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        if pending:  # the other direction gets the close passed on, then ends
+            _, pending = await asyncio.wait(pending, timeout=10.0)
+        for task in pending:
+            task.cancel()
+    finally:
+        await upstream.close()
+    return downstream

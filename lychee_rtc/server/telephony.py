@@ -1,0 +1,208 @@
+"""Carrier media streams and their companion event streams, on aiohttp WebSockets.
+
+``GET /v1/telephony/ws`` (or ``/v1/telephony/ws/{provider}``) is what a carrier dials. Its
+credentials are checked on the upgrade request (a caller with none is refused with 401 before the
+socket opens); Plivo, which can only send a token inside its start frame, is checked on that frame,
+before any audio is taken. The provider is told from the first frames unless the path names it.
+Then the call is admitted like any WebRTC offer (same capacity, engine, session and events).
+
+``GET /v1/telephony/calls/{call}/events`` is the application's side of a phone call: the session's
+``events`` vocabulary over a WebSocket (server bearer token, like every ``/v1`` route), to watch
+the call and steer it (``response.cancel``, ``turn.listen``, ``session.close``, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from lychee_rtc.config import Settings
+from lychee_rtc.engine.base import SessionOptions
+from lychee_rtc.server.sessions import ServerFull, SessionManager
+from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
+from lychee_rtc.telephony.call import CarrierCall
+from lychee_rtc.telephony.carriers import DIALECTS, HANDSHAKE_EVENTS, Dialect, detect
+from lychee_rtc.telephony.carriers.base import MAX_FRAME_BYTES
+from lychee_rtc.telephony.frames import (
+    CLOSE_POLICY,
+    CLOSE_PROTOCOL_ERROR,
+    CLOSE_TRY_AGAIN_LATER,
+    FrameError,
+    StreamStarted,
+    Unhandled,
+)
+from lychee_rtc.telephony.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+MEDIA_PATH = "/v1/telephony/ws"
+EVENTS_PATH = "/v1/telephony/calls/{call}/events"
+MAX_HANDSHAKE_FRAMES = 4  # frames a carrier may send before its start frame
+COMPANION_OUTBOX_LIMIT = 1024
+COMPANION_MAX_MESSAGE = 64 * 1024
+
+
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"type": "invalid_request_error", "code": code, "message": message}},
+                             status=status, headers=headers)
+
+
+def _request_urls(request: web.Request, settings: Settings) -> list[str]:
+    """The URL the carrier was given, as it signs it."""
+    public = settings.telephony.public_url
+    if public:
+        return [public + request.path_qs]
+    forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+    secure = request.secure or forwarded in ("https", "wss")
+    host = request.headers.get("X-Forwarded-Host") or request.host
+    return [f"{'wss' if secure else 'ws'}://{host}{request.path_qs}"]
+
+
+class TelephonyEndpoint:
+    def __init__(self, settings: Settings, manager: SessionManager) -> None:
+        self.settings = settings
+        self.manager = manager
+
+    # --- the carrier's socket --------------------------------------------------------------------
+
+    async def media(self, request: web.Request) -> web.StreamResponse:
+        telephony = self.settings.telephony
+        provider = request.match_info.get("provider")
+        if provider is not None and provider not in DIALECTS:
+            return _error(404, "unknown_provider", f"no carrier {provider!r}; one of {sorted(DIALECTS)}")
+        admission = check_request(request.headers, _request_urls(request, self.settings), telephony, provider)
+        if admission.refusal is not None:
+            log.info("telephony connection refused: %s", admission.refusal)
+            return _error(401, "unauthorized", admission.refusal)
+        ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, autoping=True)
+        await ws.prepare(request)
+        try:
+            opened = await asyncio.wait_for(self._start(ws, provider, admission), telephony.start_timeout_s)
+        except asyncio.TimeoutError:
+            await ws.close(code=CLOSE_POLICY, message=b"no start frame in time")
+            return ws
+        except FrameError as exc:
+            log.info("telephony connection closed before its start: %s", exc)
+            await ws.close(code=exc.close_code, message=str(exc).encode()[:120])
+            return ws
+        if opened is None:  # the carrier went away before starting
+            return ws
+        dialect, started = opened
+        try:
+            call = await self._admit(dialect, started)
+        except ServerFull:
+            await ws.close(code=CLOSE_TRY_AGAIN_LATER, message=b"server at capacity")
+            return ws
+        call.start(ws)
+        log.info("session %s: %s call %s started (%s)", call.session.id, dialect.name, started.call_id,
+                 started.audio.label)
+        ended: str | None = None
+        try:
+            async for msg in ws:
+                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    ended = call.handle(msg.data)
+                    if ended is not None:
+                        break
+                elif msg.type == WSMsgType.ERROR:
+                    break
+        finally:
+            if not call.session.closed:
+                await call.session.close(ended or "carrier_closed")
+            await call.outbox.done.wait()
+        return ws
+
+    async def _start(self, ws: web.WebSocketResponse, provider: str | None,
+                     admission: Admission) -> tuple[Dialect, StreamStarted] | None:
+        """Read the handshake frames up to the start frame; nothing after it is read here."""
+        dialect: Dialect | None = DIALECTS[provider]() if provider else None
+        for _ in range(MAX_HANDSHAKE_FRAMES):
+            msg = await ws.receive()
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                return None
+            if msg.type == WSMsgType.BINARY:
+                raise FrameError("binary frame before the stream's start frame", CLOSE_PROTOCOL_ERROR)
+            if msg.type != WSMsgType.TEXT:
+                continue
+            if dialect is None:
+                first = _json_object(msg.data)
+                found = detect(first)
+                if found is None:
+                    if first.get("event") in HANDSHAKE_EVENTS:
+                        continue
+                    raise FrameError(f"cannot tell the carrier from frame with event {first.get('event')!r}; "
+                                     f"expected a start frame of one of {sorted(DIALECTS)}", CLOSE_PROTOCOL_ERROR)
+                dialect = found()
+            event = dialect.parse(msg.data)
+            if isinstance(event, Unhandled):
+                continue
+            if not isinstance(event, StreamStarted):
+                raise FrameError(f"{dialect.name} sent {type(event).__name__} before its start frame",
+                                 CLOSE_PROTOCOL_ERROR)
+            if dialect.name not in admission.carriers and not (
+                    dialect.name == "plivo" and admission.plivo_pending
+                    and plivo_token_ok(event.parameters, self.settings.telephony)):
+                raise FrameError(f"{dialect.name} stream not authenticated", CLOSE_POLICY)
+            return dialect, event
+        raise FrameError(f"no start frame within the first {MAX_HANDSHAKE_FRAMES} frames", CLOSE_PROTOCOL_ERROR)
+
+    async def _admit(self, dialect: Dialect, started: StreamStarted) -> CarrierCall:
+        caps = self.manager.engine.capabilities
+        options = SessionOptions()
+        async with self.manager.admission(options) as slot:
+            call = CarrierCall.create(lambda sink: self.manager.new_session(slot, sink, options), dialect, started,
+                                      self.settings.telephony, caps.output_rate, self.settings.session.playout_max_s,
+                                      live=caps.live_passthrough)
+            self.manager.register(call)
+            return call
+
+    # --- the application's event stream ----------------------------------------------------------
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        key = request.match_info["call"]
+        call = next((c for c in self.manager.calls.values()
+                     if isinstance(c, CarrierCall) and c.matches(key)), None)
+        if call is None:
+            return _error(404, "call_not_found", f"no phone call {key!r}")
+        if call.companion is not None:
+            return _error(409, "event_stream_taken", "this call already has an event stream attached")
+        ws = web.WebSocketResponse(max_msg_size=COMPANION_MAX_MESSAGE, autoping=True)
+        await ws.prepare(request)
+        outbox = Outbox(COMPANION_OUTBOX_LIMIT)
+        call.companion = outbox
+        writer = asyncio.create_task(outbox.run(ws), name=f"events-writer-{call.session.id}")
+        session = call.session
+        session.attach_channel(outbox.put, lambda: outbox.bytes)
+        try:
+            async for msg in ws:
+                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    session.handle_message(msg.data)
+                elif msg.type == WSMsgType.ERROR:
+                    break
+        finally:
+            session.detach_channel(outbox.put)
+            if call.companion is outbox:
+                call.companion = None
+            outbox.close(1000, "event stream closed")
+            await writer
+        return ws
+
+
+def _json_object(raw: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise FrameError(f"frame is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise FrameError("frame must be a JSON object")
+    return data
+
+
+def add_routes(app: web.Application, settings: Settings, manager: SessionManager) -> None:
+    endpoint = TelephonyEndpoint(settings, manager)
+    app.router.add_get(MEDIA_PATH, endpoint.media)
+    app.router.add_get(MEDIA_PATH + "/{provider}", endpoint.media)
+    app.router.add_get(EVENTS_PATH, endpoint.events)

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every GPU measurement of lychee-rtc in one run, for a fresh GPU machine with no network:
+# environment record, the CUDA-only tests (graph replay equals eager), `lychee-rtc bench gpu`
+# (full size, random weights, C = 1,2,4,8,16, eager vs CUDA graphs) and the per-hop vocoder bench.
+# Results land in $OUT (default ./gpu-results); each step logs to its own file and the run goes on
+# when a step fails, so one run leaves everything it could measure. The final line is a summary.
+#
+#   OUT=/tmp/results scripts/gpu_run.sh            # on the GPU machine
+#   OUT=/tmp/results scripts/gpu_run.sh --tiny     # the same steps at tiny size on a CPU (a check)
+#
+# Knobs (environment): PYTHON (default python3), WINDOWS (30), CONCURRENCY (1,2,4,8,16),
+# STEP_TIMEOUT_S (330, the bench gpu step), SMALL_TIMEOUT_S (90, every other step): at most about
+# 9.5 minutes in all. bench gpu writes its report after every C, so a step cut short keeps the Cs
+# it finished.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-results}
+PY=${PYTHON:-python3}
+SIZE=full DEVICE=cuda
+WINDOWS=${WINDOWS:-30}
+CONCURRENCY=${CONCURRENCY:-1,2,4,8,16}
+STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-330}
+SMALL_TIMEOUT_S=${SMALL_TIMEOUT_S:-90}
+EXTRA=()
+if [[ "${1:-}" == "--tiny" ]]; then
+  SIZE=tiny DEVICE=cpu WINDOWS=${TINY_WINDOWS:-2} CONCURRENCY=1,2
+  EXTRA=(--threads 1 --prompt-seconds 1 --warmup 1)
+fi
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, installed or not
+SUMMARY=()
+FAILED=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record the exit status
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name: $*" | tee "$OUT/$name.log"
+  timeout "$limit" "$@" >>"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+  SUMMARY+=("$name=$rc")
+  [[ $rc == 0 ]] || FAILED=$((FAILED + 1))
+}
+
+step environment 30 bash -c "
+  date -u; uname -a; nproc; free -g || true
+  nvidia-smi || echo 'no nvidia-smi'
+  $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
+\"available\", torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"cpu\")'
+  git log -1 --format='commit %H %s' 2>/dev/null || true"
+
+if [[ $DEVICE == cuda ]]; then
+  # On a GPU this includes the replay-equals-eager check that is skipped on CPUs.
+  step tests_graphs "$SMALL_TIMEOUT_S" "$PY" -m pytest -q -x tests/test_lychee_graphs.py
+else
+  step tests_graphs "$SMALL_TIMEOUT_S" "$PY" -m pytest -q -x tests/test_lychee_graphs.py -k "bucket or padding or fetch"
+fi
+
+step bench_gpu "$STEP_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench gpu --size "$SIZE" --device "$DEVICE" \
+  --windows "$WINDOWS" --concurrency "$CONCURRENCY" --out "$OUT/bench-gpu" "${EXTRA[@]}"
+
+if [[ $DEVICE == cuda ]]; then
+  step bench_vocoder "$SMALL_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench vocoder --size full --device cuda \
+    --dtype bf16 --concurrency 1 2 4 8 --rounds 30 --json "$OUT/vocoder_bf16.json"
+else
+  step bench_vocoder "$SMALL_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench vocoder --size tiny --device cpu \
+    --concurrency 1 2 --rounds 2 --prompt-seconds 1 --threads 1 --json "$OUT/vocoder.json"
+fi
+
+echo "summary: ${SUMMARY[*]}" | tee "$OUT/summary.txt"
+exit $((FAILED > 0))

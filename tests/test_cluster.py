@@ -1,0 +1,414 @@
+"""The cluster entry on a real two-node Ray cluster: echo workers, real aiortc calls through the entry.
+
+Each Ray node runs in a network namespace of its own (when the test may make them), so each worker
+answers with its own node's address and the test asserts that each call's media flows to the
+address of the worker that holds it. Ray, the entry (``lychee-rtc cluster serve``) and the workers
+are the real programs; the test only kills a worker's process to see the cluster survive it.
+``CLUSTER_TEST_NETNS=0`` runs both nodes on the machine's own addresses, as where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import aiohttp
+import numpy as np
+import pytest
+from aiortc import RTCConfiguration, RTCPeerConnection
+
+pytest.importorskip("ray", reason="the cluster tests need the cluster extra (Ray)")
+
+from cluster_topology import REPO, RayCluster, namespaces_possible, ray_env, stop_process_group  # noqa: E402
+from conftest import free_port, wait_until  # noqa: E402
+from contract import check_response  # noqa: E402
+from telephony_support import CREDENTIALS, EventStream, carrier  # noqa: E402
+
+from lychee_rtc.bench.client import RtcClient  # noqa: E402
+from lychee_rtc.cluster.ids import worker_of  # noqa: E402
+
+SECOND = 48000  # client-side samples per second
+SLOTS_PER_WORKER = 2
+TELNYX_TOKEN = CREDENTIALS["telnyx"]["token"]
+
+
+@dataclass
+class Entry:
+    url: str
+    cluster: RayCluster
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def isolated(self) -> bool:
+        """True when each node has an address of its own (network namespaces)."""
+        return self.cluster.namespaces is not None
+
+
+def _profile(path: Path, host: str, port: int, address: str, namespace: str) -> None:
+    path.write_text(f"""
+server: {{host: "{host}", port: {port}}}
+rtc: {{ice_servers: [], jitter_buffer: lowlatency}}
+session: {{max_sessions: {SLOTS_PER_WORKER}, connect_timeout_s: 60, retry_after_s: 3}}
+engine: {{name: echo, echo: {{mode: loopback, loopback_window_ms: 20}}}}
+telephony: {{telnyx: {{token: "{TELNYX_TOKEN}"}}}}
+cluster:
+  address: "{address}"
+  namespace: {namespace}
+  workers: auto
+  worker_cpus: 0
+  poll_interval_s: 0.25
+  status_timeout_s: 3.0
+""")
+
+
+@pytest.fixture(scope="module")
+def entry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Entry]:
+    workdir = tmp_path_factory.mktemp("cluster")
+    why_not = namespaces_possible() if os.environ.get("CLUSTER_TEST_NETNS", "1") != "0" else "CLUSTER_TEST_NETNS=0"
+    if why_not is not None:
+        # Both nodes then share this machine's addresses: the tests check each answer's candidates
+        # against its worker's advertised address, but cannot tell the two nodes' media apart.
+        print(f"cluster tests without network namespaces: {why_not}")
+    cluster = RayCluster.start(workdir, use_namespaces=why_not is None)
+    host = cluster.node_ips[0] if cluster.namespaces is not None else "127.0.0.1"
+    port = 8080 if cluster.namespaces is not None else free_port()
+    profile = workdir / "cluster.yaml"
+    _profile(profile, host, port, cluster.address, f"lychee-rtc-test-{os.getpid()}")
+    log = workdir / "entry.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **ray_env())
+    process = subprocess.Popen([*cluster.exec_prefix(), sys.executable, "-m", "lychee_rtc.cli", "cluster", "serve",
+                                "--config", str(profile)], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                               cwd=workdir, start_new_session=True)
+    try:
+        yield Entry(f"http://{host}:{port}", cluster, process, log)
+    finally:
+        stop_process_group(process)
+        cluster.stop()
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+async def _get(url: str) -> tuple[int, Any, Any, bytes]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as r:
+            body = await r.read()
+            data = await r.json(content_type=None) if r.content_type == "application/json" else None
+            return r.status, r.headers, data, body
+
+
+async def readyz(entry: Entry) -> tuple[int, dict[str, Any]]:
+    try:
+        status, _, data, _ = await _get(entry.url + "/readyz")
+        return status, data
+    except aiohttp.ClientError:
+        return 0, {}
+
+
+async def workers(entry: Entry) -> dict[str, dict[str, Any]]:
+    status, headers, data, raw = await _get(entry.url + "/v1/cluster/workers")
+    check_response("/v1/cluster/workers", "GET", status, headers, raw)
+    return {w["worker_id"]: w for w in data["workers"]}
+
+
+async def wait_for(entry: Entry, predicate, what: str, timeout: float = 120.0) -> Any:
+    """Poll ``predicate`` (an async callable) until it returns something truthy."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if entry.process.poll() is not None:
+            pytest.fail(f"the entry exited: {entry.log.read_text()[-4000:]}")
+        result = await predicate()
+        if result:
+            return result
+        if loop.time() > deadline:
+            what = what() if callable(what) else what
+            pytest.fail(f"waited {timeout:.0f} s for {what}; entry log: {entry.log.read_text()[-3000:]}")
+        await asyncio.sleep(0.2)
+
+
+async def settled(entry: Entry) -> dict[str, dict[str, Any]]:
+    """Both workers ready and every slot free (the previous test's calls are gone)."""
+    last: list[Any] = [None]
+
+    async def check():
+        status, body = last[0] = await readyz(entry)
+        return status == 200 and body.get("workers") == {"ready": 2} and body["free"] == 2 * SLOTS_PER_WORKER
+    await wait_for(entry, check, lambda: f"both workers ready with every slot free (last: {last[0]})", timeout=240)
+    return await workers(entry)
+
+
+def candidate_addresses(sdp: str) -> set[str]:
+    return {line.split()[4] for line in sdp.splitlines() if line.startswith("a=candidate:")}
+
+
+def media_peer_address(pc: RTCPeerConnection) -> str | None:
+    """The remote address of the ICE pair carrying the call's media (aioice keeps it privately)."""
+    transport = pc.getTransceivers()[0].sender.transport.transport
+    nominated = getattr(transport._connection, "_nominated", {})
+    pair = nominated.get(1)
+    return pair.remote_candidate.host if pair is not None else None
+
+
+async def call(entry: Entry) -> RtcClient:
+    client = RtcClient(entry.url, jitter_buffer="lowlatency")
+    await client.connect()
+    return client
+
+
+async def audio_flows(client: RtcClient, seconds: float = 1.0) -> None:
+    """More loopback audio arrives (the echo engine sends back what the microphone sends)."""
+    await client.wait_audio(client.received.end + int(seconds * SECOND), timeout=60)
+
+
+async def check_call_on(entry: Entry, client: RtcClient, worker: dict[str, Any]) -> None:
+    assert worker_of(client.session_id) == worker["worker_id"]
+    # The answer came back unchanged from the worker: its candidates are that worker's node address
+    # (nodes sharing the machine's interfaces also offer the machine's other addresses).
+    candidates = candidate_addresses(client.pc.remoteDescription.sdp)
+    assert candidates == {worker["node_ip"]} if entry.isolated else worker["node_ip"] in candidates
+    await audio_flows(client)
+    if entry.isolated:
+        assert media_peer_address(client.pc) == worker["node_ip"]
+
+
+async def close_all(*clients: RtcClient) -> None:
+    for client in clients:
+        await client.close()
+
+
+async def _offer_sdp() -> tuple[RTCPeerConnection, str]:
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.addTransceiver("audio", direction="sendrecv")
+    await pc.setLocalDescription(await pc.createOffer())
+    return pc, pc.localDescription.sdp
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+
+async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_routed(entry: Entry):
+    by_id = await settled(entry)
+    assert len(by_id) == 2
+    if entry.isolated:
+        assert {w["node_ip"] for w in by_id.values()} == set(entry.cluster.node_ips)
+    a, b = await call(entry), await call(entry)
+    try:
+        # Least loaded first: the second call goes to the other worker.
+        assert {worker_of(a.session_id), worker_of(b.session_id)} == set(by_id)
+        for client in (a, b):
+            await check_call_on(entry, client, by_id[worker_of(client.session_id)])
+        if entry.isolated:
+            assert media_peer_address(a.pc) != media_peer_address(b.pc)
+
+        status, body = await readyz(entry)
+        assert (status, body["status"], body["capacity"], body["free"], body["active"]) == (200, "ready", 4, 2, 2)
+        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions/{b.session_id}")
+        assert status == 200 and data["session_id"] == b.session_id and data["connection_state"] == "connected"
+        check_response("/v1/sessions/{session_id}", "GET", status, headers, raw)
+        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions")
+        check_response("/v1/sessions", "GET", status, headers, raw)
+        assert {s["session_id"] for s in data["sessions"]} == {a.session_id, b.session_id}
+        _, _, _, metrics = await _get(entry.url + "/metrics")
+        assert re.search(rb"^lychee_rtc_cluster_active_sessions 2\.0$", metrics, re.M)
+        assert re.search(rb'^lychee_rtc_cluster_offers_total\{outcome="placed"\} [1-9]', metrics, re.M)
+        # Each worker's own metrics stay reachable, through the entry too.
+        worker = worker_of(a.session_id)
+        status, _, _, worker_metrics = await _get(f"{entry.url}/v1/cluster/workers/{worker}/metrics")
+        assert status == 200 and re.search(rb"^lychee_rtc_active_sessions 1\.0$", worker_metrics, re.M)
+
+        # WHIP through the entry: the resource URL names the worker, PATCH and DELETE reach it.
+        pc, sdp = await _offer_sdp()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(entry.url + "/whip", data=sdp, headers={"Content-Type": "application/sdp"}) as r:
+                answer = await r.text()
+                check_response("/whip", "POST", r.status, r.headers, answer.encode())
+                assert r.status == 201, answer
+                location, etag = r.headers["Location"], r.headers["ETag"]
+            whip_id = location.rsplit("/", 1)[1]
+            # Both workers had one call: the WHIP session went to one of them, and its answer is that worker's.
+            assert by_id[worker_of(whip_id)]["node_ip"] in candidate_addresses(answer)
+            if entry.isolated:
+                assert candidate_addresses(answer) == {by_id[worker_of(whip_id)]["node_ip"]}
+            async with http.patch(entry.url + location, data="a=end-of-candidates\r\n",
+                                  headers={"Content-Type": "application/trickle-ice-sdpfrag", "If-Match": etag}) as r:
+                assert r.status == 204, await r.text()
+                assert r.headers["ETag"] == etag
+            async with http.patch(entry.url + location, data="a=end-of-candidates\r\n",
+                                  headers={"Content-Type": "application/trickle-ice-sdpfrag", "If-Match": '"x"'}) as r:
+                assert r.status == 412  # the worker's own answer, passed through
+            async with http.delete(entry.url + location) as r:
+                assert r.status == 200
+            async with http.get(f"{entry.url}/v1/sessions/{whip_id}") as r:
+                assert r.status == 404
+            for unknown in ("sess_w9-0011223344556677", "sess_0011223344556677", "nonsense"):
+                async with http.get(f"{entry.url}/v1/sessions/{unknown}") as r:
+                    assert r.status == 404 and (await r.json())["error"]["code"] == "session_not_found"
+            # Hang-up through the entry ends the call at its worker; the client sees its peer close.
+            async with http.delete(f"{entry.url}/v1/sessions/{a.session_id}") as r:
+                assert r.status == 200
+        await pc.close()
+        await wait_until(lambda: a.pc.connectionState in ("closed", "failed"), 60, "the hung-up call to close")
+        await audio_flows(b)
+    finally:
+        await close_all(a, b)
+
+
+async def test_a_full_cluster_answers_503_with_retry_after(entry: Entry):
+    await settled(entry)
+    clients = [await call(entry) for _ in range(2 * SLOTS_PER_WORKER)]
+    try:
+        per_worker: dict[str, int] = {}
+        for client in clients:
+            per_worker[worker_of(client.session_id)] = per_worker.get(worker_of(client.session_id), 0) + 1
+        assert sorted(per_worker.values()) == [SLOTS_PER_WORKER, SLOTS_PER_WORKER]
+        pc, sdp = await _offer_sdp()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(entry.url + "/v1/rtc/offer", json={"type": "offer", "sdp": sdp}) as r:
+                body = await r.read()
+                assert r.status == 503 and r.headers["Retry-After"] == "3"
+                check_response("/v1/rtc/offer", "POST", r.status, r.headers, body)
+                assert (await r.json())["error"]["code"] == "server_full"
+            async with http.post(entry.url + "/whip", data=sdp, headers={"Content-Type": "application/sdp"}) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "3"
+        await pc.close()
+        status, headers, data, raw = await _get(entry.url + "/readyz")
+        assert (status, data["status"], data["free"], data["capacity"]) == (503, "full", 0, 4)
+        assert headers["Retry-After"] == "3"
+        check_response("/readyz", "GET", status, headers, raw)
+        for client in clients:  # calls already placed go on
+            await audio_flows(client, 0.5)
+    finally:
+        await close_all(*clients)
+
+
+async def test_a_killed_worker_ends_its_calls_only_and_comes_back(entry: Entry):
+    by_id = await settled(entry)
+    a, b = await call(entry), await call(entry)
+    late: list[RtcClient] = []
+    try:
+        survivor, victim = worker_of(a.session_id), worker_of(b.session_id)
+        assert survivor != victim
+        await audio_flows(a)
+        await audio_flows(b)
+        old = by_id[victim]
+        os.kill(old["pid"], signal.SIGKILL)
+
+        # The entry notices: capacity drops to the survivor's, and it stays ready for calls.
+        async def dropped():
+            status, body = await readyz(entry)
+            return status == 200 and body["capacity"] == SLOTS_PER_WORKER and body
+        body = await wait_for(entry, dropped, f"capacity to drop to {SLOTS_PER_WORKER}", timeout=60)
+        assert body["workers"].get("ready") == 1
+        # A new call goes to the survivor; the survivor's call goes on.
+        c = await call(entry)
+        late.append(c)
+        assert worker_of(c.session_id) == survivor
+        await check_call_on(entry, c, by_id[survivor])
+        await audio_flows(a)
+
+        # Ray restarts the worker (a new process), and the entry uses it again.
+        async def restarted():
+            w = (await workers(entry))[victim]
+            return w["state"] == "ready" and w["pid"] != old["pid"] and w
+        again = await wait_for(entry, restarted, f"worker {victim} to come back", timeout=180)
+        assert again["restarts"] == old["restarts"] + 1 and again["boot"] != old["boot"]
+        assert again["lost_sessions"] == old["lost_sessions"] + 1
+        d = await call(entry)  # the survivor is full (a and c): the restarted worker takes it
+        late.append(d)
+        await check_call_on(entry, d, again)
+
+        # The killed worker's call has ended for its client: no more media, the connection fails.
+        await wait_until(lambda: b.pc.connectionState in ("failed", "closed"), 90,
+                         "the killed worker's call to fail at its client (ICE consent)")
+        status, _, data, _ = await _get(f"{entry.url}/v1/sessions/{b.session_id}")
+        assert status == 404, data
+        _, _, _, metrics = await _get(entry.url + "/metrics")
+        assert re.search(rf'^lychee_rtc_cluster_worker_restarts_total\{{worker="{victim}"\}} [1-9]'.encode(),
+                         metrics, re.M)
+        assert re.search(rf'^lychee_rtc_cluster_worker_failures_total\{{worker="{victim}"\}} [1-9]'.encode(),
+                         metrics, re.M)
+        await audio_flows(a)
+    finally:
+        await close_all(a, b, *late)
+
+
+async def test_drain_takes_no_new_calls_ends_after_the_deadline_and_restarts(entry: Entry):
+    by_id = await settled(entry)
+    a, b = await call(entry), await call(entry)
+    late: list[RtcClient] = []
+    try:
+        drained, other = worker_of(a.session_id), worker_of(b.session_id)
+        async with aiohttp.ClientSession() as http:
+            path = "/v1/cluster/workers/{worker_id}/drain"
+            for worker, body, code in ((drained, {"deadline_s": -1}, 400), (drained, {"restart": "yes"}, 400),
+                                       (drained, {"x": 1}, 400), ("w7", {}, 404)):
+                async with http.post(f"{entry.url}/v1/cluster/workers/{worker}/drain", json=body) as r:
+                    assert r.status == code, await r.text()
+                    check_response(path, "POST", r.status, r.headers, await r.read())
+            async with http.post(f"{entry.url}/v1/cluster/workers/{drained}/drain",
+                                 json={"deadline_s": 2, "restart": True}) as r:
+                assert r.status == 202, await r.text()
+                check_response(path, "POST", r.status, r.headers, await r.read())
+                assert (await r.json())["state"] == "draining"
+        c = await call(entry)  # the draining worker takes no new call
+        late.append(c)
+        assert worker_of(c.session_id) == other
+        # At the deadline the drained worker's call ends, with a last event while its channel works.
+        closed = await a.wait_event("session.closed", timeout=60)
+        assert closed["reason"] == "server_draining"
+        await wait_until(lambda: a.pc.connectionState in ("failed", "closed"), 60, "the drained call to close")
+        await audio_flows(b)
+
+        async def replaced():
+            w = (await workers(entry))[drained]
+            return w["state"] == "ready" and w["boot"] != by_id[drained]["boot"] and w
+        fresh = await wait_for(entry, replaced, f"worker {drained} to restart after its drain", timeout=180)
+        assert fresh["restarts"] == by_id[drained]["restarts"] + 1
+        assert fresh["lost_sessions"] == by_id[drained]["lost_sessions"]  # its calls ended, none was lost
+        d = await call(entry)  # the other worker is full (b and c)
+        late.append(d)
+        await check_call_on(entry, d, fresh)
+    finally:
+        await close_all(a, b, *late)
+
+
+async def test_a_phone_call_through_the_entry_is_relayed_to_a_worker_and_its_event_stream_routed(entry: Entry):
+    """A carrier's media stream starts a call on a worker; its event stream reaches the same worker."""
+    by_id = await settled(entry)
+    phone = carrier(entry.url, "telnyx")
+    events: EventStream | None = None
+    try:
+        await phone.connect()
+
+        async def telephony_session():
+            _, _, data, _ = await _get(entry.url + "/v1/sessions")
+            return next((x for x in data["sessions"] if x.get("transport") == "telephony"), None)
+        session = await wait_for(entry, telephony_session, "the phone call's session on a worker", timeout=60)
+        assert worker_of(session["session_id"]) in by_id
+        events = EventStream(entry.url, session["session_id"])
+        await events.connect()
+        created = await events.wait("session.created", timeout=30)  # replayed from the call's start
+        assert created["session"]["id"] == session["session_id"]
+        await phone.play(np.zeros(phone.rate, np.float32))
+        await wait_until(lambda: len(phone.heard()) >= phone.rate // 2, 60, "loopback audio back to the carrier")
+        await phone.hang_up()
+        closed = await events.wait("session.closed", timeout=30)
+        assert closed["reason"] in ("hangup", "carrier_closed")
+        await asyncio.wait_for(phone.closed.wait(), 30)
+        assert phone.log.close_code == 1000  # the worker's close code, passed on by the entry
+        async with aiohttp.ClientSession() as http:  # a call named by the carrier's id cannot be routed
+            async with http.get(f"{entry.url}/v1/telephony/calls/not-a-session/events") as r:
+                assert r.status == 404
+    finally:
+        if events is not None:
+            await events.close()
+        await phone.close()

@@ -1,0 +1,171 @@
+"""The cluster entry's own rules, without Ray: ids, how many workers, which worker, worker states.
+
+The registry is driven here with status dictionaries shaped like a worker's (what Ray would carry);
+the whole path through Ray is in test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lychee_rtc.cluster.ids import is_worker_id, session_prefix, worker_of
+from lychee_rtc.cluster.metrics import EntryMetrics
+from lychee_rtc.cluster.placement import actor_options, no_room_reason, worker_count, worker_settings
+from lychee_rtc.cluster.registry import DEAD_AFTER_ERRORS, Registry, WorkerView
+from lychee_rtc.config import ConfigError, ClusterSettings, load_settings
+
+
+def test_session_ids_name_their_worker():
+    assert worker_of("sess_" + session_prefix("w3") + "0123456789abcdef") == "w3"
+    assert worker_of("sess_w12-abc") == "w12"
+    for foreign in ("sess_0123456789abcdef", "sess_x1-abc", "w1-abc", "sess_w1", "", "sess_w1-a/b"):
+        assert worker_of(foreign) is None
+    assert is_worker_id("w0") and not is_worker_id("w") and not is_worker_id("x1")
+    with pytest.raises(ValueError):
+        session_prefix("../w1")
+
+
+def test_worker_count_follows_gpus_or_slot_groups():
+    assert worker_count(ClusterSettings(workers=3), {}) == 3
+    gpus = ClusterSettings(worker_gpus=1)
+    assert worker_count(gpus, {"GPU": 8.0, "CPU": 64.0}) == 8
+    assert worker_count(ClusterSettings(worker_gpus=2), {"GPU": 8.0}) == 4
+    assert worker_count(gpus, {"CPU": 64.0}) == 0
+    assert "0 GPUs" in no_room_reason(gpus, {})
+    cpu = ClusterSettings()
+    assert worker_count(cpu, {"lychee_rtc_worker": 3.0, "CPU": 4.0}) == 3
+    assert "ray start --resources" in no_room_reason(cpu, {})
+
+
+def test_actor_options_take_a_gpu_or_a_slot_group():
+    gpu = actor_options(ClusterSettings(worker_gpus=1, worker_cpus=2, max_restarts=5), "w1")
+    assert gpu["num_gpus"] == 1 and gpu["num_cpus"] == 2 and "resources" not in gpu
+    assert gpu["name"] == "lychee-rtc-w1" and gpu["lifetime"] == "detached" and gpu["max_restarts"] == 5
+    assert gpu["max_task_retries"] == 0
+    cpu = actor_options(ClusterSettings(worker_resource="slots"), "w0")
+    assert cpu["num_gpus"] == 0 and cpu["resources"] == {"slots": 1}
+
+
+def test_worker_settings_keep_the_profile_but_not_the_entry_port():
+    settings = load_settings(None, environ={}, overrides={"server": {"port": 9000}, "session": {"max_sessions": 7}})
+    worker = type(settings).model_validate_json(worker_settings(settings))
+    assert worker.server.port == 0 and worker.session.max_sessions == 7 and worker.engine == settings.engine
+
+
+def test_cluster_settings_are_checked_at_load():
+    with pytest.raises(ConfigError, match="cluster.worker_ports"):
+        load_settings(None, environ={}, overrides={"cluster": {"worker_ports": [9100, 9000]}})
+    with pytest.raises(ConfigError, match="cluster.workers"):
+        load_settings(None, environ={}, overrides={"cluster": {"workers": 0}})
+    settings = load_settings(None, environ={"LYCHEE_RTC_CLUSTER__ADDRESS": "10.0.0.1:6379"})
+    assert settings.cluster.address == "10.0.0.1:6379"
+
+
+def _status(worker: str, free: int, capacity: int = 4, boot: str = "b1", **extra) -> dict:
+    return {"worker_id": worker, "boot": boot, "url": f"http://10.0.0.1:{9100 + int(worker[1:])}",
+            "node_ip": "10.0.0.1", "pid": 100, "engine": "echo", "capacity": capacity, "free": free,
+            "active": capacity - free, "ready": True, "draining": False, "drained": False, **extra}
+
+
+class _Handle:
+    """Stands in for a Ray actor handle: ``status.remote()`` gives an awaitable, as Ray's does."""
+
+    def __init__(self) -> None:
+        self.answers: list = []
+        self.status = self
+
+    def remote(self):
+        answer = self.answers.pop(0)
+
+        async def result():
+            if isinstance(answer, BaseException):
+                raise answer
+            if answer is None:
+                await asyncio.sleep(3600)  # a process Ray is restarting answers later
+            return answer
+        return result()
+
+
+def _registry() -> Registry:
+    return Registry(EntryMetrics(), poll_interval_s=0.01, status_timeout_s=0.05)
+
+
+def test_least_loaded_worker_with_room_is_chosen():
+    registry = _registry()
+    for worker, free in (("w0", 1), ("w1", 3), ("w2", 0)):
+        view = registry.add(worker, None)
+        view.status, view.state = _status(worker, free), "ready"
+    assert registry.choose(set()).worker_id == "w1"
+    registry.workers["w1"].pending = 2  # offers in flight count against it
+    assert registry.choose(set()).worker_id in ("w0", "w1")
+    registry.workers["w1"].placed = 1
+    assert registry.choose(set()).worker_id == "w0"
+    assert registry.choose({"w0"}) is None  # w1 and w2 have no room left
+    registry.workers["w0"].state = "draining"
+    assert registry.choose(set()) is None
+    assert registry.capacity == 8 and registry.free == 0
+
+
+async def test_a_worker_that_stops_answering_is_down_and_a_new_process_counts_as_a_restart():
+    registry = _registry()
+    handle = _Handle()
+    view: WorkerView = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2), None]  # two calls on it
+    await registry._poll(view)
+    assert view.state == "ready" and registry.capacity == 4 and view.free == 2
+    await registry._poll(view)  # no answer in time: down, no capacity, not chosen
+    assert view.state == "down" and registry.capacity == 0 and registry.choose(set()) is None
+    view.probe.cancel()
+    view.probe = None
+    handle.answers = [_status("w0", 4, boot="b2")]
+    await registry._poll(view)
+    assert view.state == "ready" and view.restarts == 1 and view.lost_sessions == 2
+    assert registry.capacity == 4
+
+
+async def test_a_worker_whose_http_port_fails_stays_down_while_ray_still_answers():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    # Asked from the second poll on: the first one learns the worker's URL.
+    failures: list[str | None] = ["connection refused", "connection refused", None]
+
+    async def http_alive(url: str) -> str | None:
+        return failures.pop(0)
+    registry.http_alive = http_alive
+    handle.answers = [_status("w0", 4)] * 4
+    await registry._poll(view)
+    assert view.state == "ready"
+    await registry._poll(view)
+    assert view.state == "down" and "refused" in view.reason
+    await registry._poll(view)
+    assert view.state == "down"  # the same process answers Ray, but cannot take calls
+    await registry._poll(view)
+    assert view.state == "ready"
+
+
+async def test_a_worker_still_loading_its_engine_is_starting_not_down():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [None]  # its constructor (the engine start) has not returned yet
+    await registry._poll(view)
+    await registry._poll(view)
+    assert view.state == "starting" and registry.capacity == 0
+    view.probe.cancel()
+
+
+async def test_a_worker_ray_gave_up_on_is_dead():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 4)] + [RuntimeError("actor died")] * DEAD_AFTER_ERRORS
+    await registry._poll(view)
+    for _ in range(DEAD_AFTER_ERRORS - 1):
+        await registry._poll(view)
+        assert view.state == "down"
+    await registry._poll(view)
+    assert view.state == "dead" and "actor died" in view.reason and registry.capacity == 0
+    await registry._poll(view)  # not asked again

@@ -1,0 +1,231 @@
+"""Static batch buckets and the CUDA-graph switch of the Lychee-FD runner.
+
+Everything but capture/replay runs here on CPU through the same code the graphs record: padding
+to a bucket, the scratch row, the fixed input buffers, one host transfer per step. The check that
+replayed graphs give the eager tokens needs CUDA and is skipped without it.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import numpy as np
+import pytest
+import torch
+
+from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
+from lychee_rtc.engine.lychee.backend import LycheeEngineSettings, SettingsError
+from lychee_rtc.engine.lychee.checkpoint import load_model
+from lychee_rtc.engine.lychee.graphs import (
+    BatchRows,
+    batch_rows,
+    bucket_for,
+    bucket_sizes,
+    fetch,
+    use_cuda_graphs,
+)
+from lychee_rtc.engine.lychee.runner import LycheeRunner, Mode, RunnerSettings
+from lychee_rtc.engine.lychee.scoring import score_teacher_forced
+from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
+from lychee_rtc.engine.lychee.tokenizer import Tokenizer
+
+GREEDY = dict(temperature=0.0, no_repeat_ngram=0, start_speak_factor=1.0, start_listen_factor=1.0,
+              max_speech_tokens=10**6)
+COMMIT = [Control(ControlKind.COMMIT, 0)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # Decisions biased to "keep": once started, a response goes on for the whole test.
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("lychee-graphs") / "tiny", seed=3,
+                                 spec=TinySpec(decision_bias=4.0))
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_model(ckpt, dtype="fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return Tokenizer.from_dir(ckpt)
+
+
+def windows(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(0.1 * rng.standard_normal(6400)).astype(np.float32) for _ in range(n)]
+
+
+def drive(r: LycheeRunner, plan: dict[int, tuple[int, int]], n: int, speak: set[int], seed: int = 0):
+    """Step window by window; slot s takes part in windows [first, last) of ``plan[s]``, is opened
+    at its first window (committing when in ``speak``) and closed after its last."""
+    wins = {s: windows(n, seed + s) for s in plan}
+    tokens: dict[int, tuple] = {}
+    for k in range(n):
+        for s, (first, last) in plan.items():
+            if k == first:
+                r.open(s, SessionOptions(seed=11 + s))
+                if s in speak:
+                    r.apply_controls(s, COMMIT)
+            if k == last:
+                st = r.slots[s]
+                tokens[s] = (list(st.text), list(st.stoken), list(st.control))
+                r.close(s)
+        live = [s for s, (first, last) in plan.items() if first <= k < last]
+        if live:
+            r.step([(s, wins[s][k], 0) for s in live])
+    for s in plan:
+        if r.slots[s] is not None:
+            st = r.slots[s]
+            tokens[s] = (list(st.text), list(st.stoken), list(st.control))
+    return tokens
+
+
+def test_bucket_sizes_and_selection():
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(4) == (1, 2, 4)
+    assert bucket_sizes(5) == (1, 2, 4, 5)
+    assert bucket_sizes(8) == (1, 2, 4, 8)
+    assert bucket_sizes(16) == (1, 2, 4, 8, 16)
+    assert [bucket_for(n, bucket_sizes(8)) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="does not fit"):
+        bucket_for(9, bucket_sizes(8))
+    with pytest.raises(ValueError):
+        bucket_sizes(0)
+
+
+def test_padding_rows_never_touch_an_open_slot():
+    assert batch_rows([0, 1, 2], 4, busy={0, 1, 2}, scratch=4) == BatchRows((0, 1, 2, 3), True)
+    assert batch_rows([0, 1, 2], 4, busy={0, 1, 2, 3}, scratch=4) == BatchRows((0, 1, 2, 4, ), False)
+    assert batch_rows([1, 2, 3], 4, busy={1, 2, 3}, scratch=4) == BatchRows((1, 2, 3, 4), False)
+    assert batch_rows([0, 1], 2, busy={0, 1, 3}, scratch=4) == BatchRows((0, 1), True)
+    # Every group of open slots of a 4-slot runner: padding only ever uses free rows or the scratch.
+    for n_open in range(1, 5):
+        for busy in combinations(range(4), n_open):
+            for n in range(1, n_open + 1):
+                for slots in combinations(busy, n):
+                    b = bucket_for(n, bucket_sizes(4))
+                    rows = batch_rows(list(slots), b, set(busy), scratch=4)
+                    assert rows.rows[:n] == slots and rows.size == b
+                    assert not set(rows.rows[n:]) & set(busy)
+                    assert rows.contiguous == (rows.rows == tuple(range(b)))
+
+
+def test_fetch_brings_ids_and_probabilities_back_exactly():
+    ids = torch.tensor([[158362, 3], [0, 151695]])
+    probs = torch.tensor([[0.1234567, 0.8765433]], dtype=torch.float32)
+    got_ids, got_probs = fetch([ids, probs])
+    assert got_ids == ids.tolist() and all(isinstance(v, int) for v in got_ids[0])
+    assert got_probs == probs.tolist()
+
+
+def test_three_sessions_in_bucket_four_match_teacher_forced_scoring(model, tok):
+    """Greedy streams of three speaking sessions padded to a bucket of four are the model's
+    own argmax at every freely decided position (the reference semantics, no runner code)."""
+    r = LycheeRunner(model, tok, 4, RunnerSettings(max_seq=512, **GREEDY))
+    slots = [0, 1, 3]  # row 2 is free but not after the batch: padding goes to the scratch row
+    wins = {s: windows(8, 40 + s) for s in slots}
+    for s in slots:
+        r.open(s, SessionOptions())
+        r.apply_controls(s, COMMIT)
+    for k in range(8):
+        r.step([(s, wins[s][k], 0) for s in slots])
+    assert ("speak", 10, 4, False) in r.programs and ("listen", 9, 4, False) in r.programs
+    st = r.tok
+    for s in slots:
+        state = r.slots[s]
+        assert state.mode is Mode.SPEAKING
+        out = score_teacher_forced(model, st, r.prefix_ids, state.text, state.stoken, state.control,
+                                   np.concatenate(wins[s]))
+        p, checked = r.prefix_len, 0
+        for q in range(len(state.text) - 1):
+            nt, ns = state.text[q + 1], state.stoken[q + 1]
+            if nt not in (st.text_pad, st.tts_pad):
+                assert out.text_logits[p + q].argmax().item() == nt, (s, q)
+                checked += 1
+            if st.audio_code_min <= ns < r.cfg.stoken_token_ids_max:
+                logits = out.speech_logits[p + q].clone()
+                mask = torch.ones_like(logits, dtype=torch.bool)
+                mask[st.audio_code_min:r.cfg.stoken_token_ids_max] = False
+                mask[st.tts_end] = False
+                assert logits.masked_fill(mask, -1e30).argmax().item() == ns, (s, q)
+                checked += 1
+        assert checked > 20, s
+
+
+def test_padded_rows_do_not_change_real_rows(model, tok):
+    """C3 in bucket 4 gives exactly the streams of a 3-slot runner (bucket 3, no padding), sampled
+    speech included, whether the padding row is the free row 3 or the scratch row."""
+    settings = RunnerSettings(max_seq=512, max_speech_tokens=10**6)
+    speakers = {s: (0, 7) for s in range(3)}
+    exact = drive(LycheeRunner(model, tok, 3, settings), speakers, 7, speak={0, 1, 2})
+
+    r = LycheeRunner(model, tok, 4, settings)
+    assert drive(r, speakers, 7, speak={0, 1, 2}) == exact
+    assert ("speak", 10, 4, True) in r.programs  # padded into row 3, which no session owns
+
+    r = LycheeRunner(model, tok, 4, settings)
+    mixed = drive(r, speakers | {3: (0, 7)}, 7, speak={0, 1, 2})  # slot 3 open and listening
+    assert ("speak", 10, 4, False) in r.programs  # so the padding row is the scratch row
+    assert {s: mixed[s] for s in range(3)} == exact
+    alone = drive(LycheeRunner(model, tok, 4, settings), {3: (0, 7)}, 7, speak=set())
+    assert mixed[3] == alone[3]  # the listening slot never saw the padding
+
+
+def test_slots_joining_and_leaving_keep_every_stream_intact(model, tok):
+    settings = RunnerSettings(max_seq=512, max_speech_tokens=10**6)
+    # Slot 1 speaks throughout; 0 joins late, 2 leaves early and 3 joins in its place: the batch
+    # moves between buckets 1, 2 and 4 and between contiguous and scratch padding.
+    plan = {1: (0, 9), 0: (3, 9), 2: (0, 4), 3: (5, 9)}
+    r = LycheeRunner(model, tok, 4, settings)
+    mixed = drive(r, plan, 9, speak={0, 1, 2, 3})
+    for s, span in plan.items():
+        alone = drive(LycheeRunner(model, tok, 4, settings), {s: span}, 9, speak={s})
+        assert mixed[s] == alone[s], s
+    assert len({key[2] for key in r.programs}) >= 2  # more than one bucket size was used
+
+
+def test_graphs_are_selected_only_on_cuda(model, tok, ckpt):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert use_cuda_graphs("auto", cpu) is False
+    assert use_cuda_graphs("auto", cuda) is True
+    assert use_cuda_graphs("on", cuda) is True
+    assert use_cuda_graphs("off", cuda) is False
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        use_cuda_graphs("on", cpu)
+    with pytest.raises(ValueError, match="cuda_graphs must be one of"):
+        use_cuda_graphs("yes", cuda)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        LycheeRunner(model, tok, 2, RunnerSettings(max_seq=512, cuda_graphs="on"))
+    r = LycheeRunner(model, tok, 2, RunnerSettings(max_seq=512))  # auto on a CPU: eager
+    assert not r.graphs_captured and not r.use_graphs
+    drive(r, {0: (0, 3), 1: (0, 3)}, 3, speak={0})
+    assert r.programs and not any(p.run.captured for p in r.programs.values())
+    base = {"model_root": str(ckpt), "dtype": "fp32", "device": "cpu", "max_seq": 512}
+    with pytest.raises(SettingsError, match=r"engine\.lychee\.cuda_graphs"):
+        LycheeEngineSettings.from_mapping(base | {"cuda_graphs": "on"})
+    with pytest.raises(SettingsError, match=r"engine\.lychee\.cuda_graphs"):
+        LycheeEngineSettings.from_mapping(base | {"cuda_graphs": True})  # unquoted `on` in YAML, on a CPU
+    with pytest.raises(SettingsError, match=r"engine\.lychee\.cuda_graphs"):
+        LycheeEngineSettings.from_mapping(base | {"cuda_graphs": 1})
+    assert LycheeEngineSettings.from_mapping(base | {"cuda_graphs": False}).cuda_graphs == "off"
+    assert LycheeEngineSettings.from_mapping(base | {"cuda_graphs": "off"}).runner_settings().cuda_graphs == "off"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_replayed_graphs_give_the_eager_tokens(ckpt, tok):  # pragma: no cover - GPU only
+    model = load_model(ckpt, dtype="fp32", device="cuda", progress=False)
+    plan = {s: (0, 8) for s in (0, 1, 3)}
+    eager = drive(LycheeRunner(model, tok, 4, RunnerSettings(max_seq=512, cuda_graphs="off", **GREEDY)),
+                  plan, 8, speak={0, 1})
+    r = LycheeRunner(model, tok, 4, RunnerSettings(max_seq=512, cuda_graphs="on", **GREEDY))
+    assert r.graphs_captured and all(p.run.captured for p in r.programs.values())
+    assert drive(r, plan, 8, speak={0, 1}) == eager
