@@ -11,7 +11,7 @@ TINY ?= checkpoints/lychee-tiny
 # LYCHEE_RTC_* environment variables decide.
 SERVE_FLAGS = $(if $(CONFIG),--config $(CONFIG)) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
-.PHONY: serve tiny test install install-model install-test clean
+.PHONY: serve tiny test install install-model install-test telephony clean
 
 # The default install: the server and the echo engine, no PyTorch.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -28,7 +28,7 @@ $(VENV)/.installed-model: $(VENV)/.installed
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-model
-	@scripts/system-packages chromium
+	@scripts/system-packages chromium janus kamailio sip-tester baresip tshark
 	@echo "installing the test extra"
 	$(PIP) install --quiet --progress-bar off -e '.[test]'
 	@touch $@
@@ -45,6 +45,12 @@ tiny: install-model
 	@test -f $(TINY)/lychee-cpu.yaml || $(VENV)/bin/lychee-rtc tiny-checkpoint $(TINY) --decision-bias 4
 	$(VENV)/bin/lychee-rtc serve --config $(or $(CONFIG),$(TINY)/lychee-cpu.yaml) \
 		$(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
+
+# The local telephony stack (Kamailio + Janus SIP plugin on loopback) in the foreground; then
+# `make serve CONFIG=telephony` and call sip:lychee@127.0.0.1:5060 (docs/telephony.md).
+telephony: install
+	@scripts/system-packages janus kamailio
+	PYTHON=$(PY) scripts/telephony-stack
 
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)

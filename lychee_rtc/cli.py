@@ -48,7 +48,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     print(f"lychee-rtc {__version__}: engine {settings.engine.name!r} on http://{_url_host(host)}:{port}", flush=True)
     try:
-        web.run_app(app, sock=sock, print=None)
+        from lychee_rtc.server.logs import RedactingAccessLogger
+
+        web.run_app(app, sock=sock, print=None, access_log_class=RedactingAccessLogger)
     except Exception as exc:  # engine start-up runs inside run_app; report it like the failures above
         logging.getLogger("lychee_rtc").debug("server failed", exc_info=True)
         print(f"lychee-rtc: server stopped: {type(exc).__name__}: {exc}", file=sys.stderr)

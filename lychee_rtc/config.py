@@ -63,6 +63,8 @@ class ServerSettings(_Section):
     auth_token: str | None = None
     web_root: Path | None = None  # defaults to the web client shipped with the server
     max_sdp_bytes: int = Field(64 * 1024, ge=1024)
+    # At shutdown, calls get this long to close cleanly (final event, slot released); then forced.
+    shutdown_grace_s: float = Field(5.0, gt=0, le=300)
 
 
 class RtcSettings(_Section):
@@ -72,6 +74,8 @@ class RtcSettings(_Section):
     # Inbound jitter handling: "lowlatency" is ours, "aiortc" keeps the library default.
     jitter_buffer: Literal["lowlatency", "aiortc"] = "lowlatency"
     jitter_target_ms: int = Field(40, ge=20, le=400)
+    # ICE consent (RFC 7675): the media path is given up when no consent check was answered this long.
+    ice_consent_timeout_s: float = Field(30.0, ge=2, le=300)
 
 
 class SessionSettings(_Section):
@@ -87,6 +91,10 @@ class SessionSettings(_Section):
     # Server VAD barge-in: user speech during audible playback interrupts the response.
     vad_barge_in: bool = True
     event_buffer: int = Field(256, ge=8, le=65536)
+    # Resume: after the media path is lost, a new offer with the session's token may re-attach within
+    # this long (0: a lost path ends the session); the last events are kept for it to replay.
+    resume_window_s: float = Field(30.0, ge=0, le=3600)
+    resume_journal_events: int = Field(512, ge=16, le=65536)
     retry_after_s: int = Field(5, ge=1)
 
 
@@ -206,6 +214,31 @@ class ClusterSettings(_Section):
         return ports
 
 
+class JanusGatewaySettings(_Section):
+    """Phone calls through a Janus media gateway (its SIP plugin), see docs/telephony.md."""
+
+    enabled: bool = False
+    url: str = Field("ws://127.0.0.1:8188", pattern=r"^wss?://")  # Janus WebSocket API
+    api_secret: str | None = None
+    # The SIP identity the bot registers; callers dial it through the registrar.
+    sip_uri: str = Field("sip:lychee@127.0.0.1", pattern=r"^sips?:[^@\s]+@\S+$")
+    # Janus insists on a secret even when the registrar never challenges.
+    secret: str = Field("lychee", min_length=1)
+    registrar: str = Field("sip:127.0.0.1:5060", pattern=r"^sips?:\S+$")
+    # Shown to callers in the Contact; None leaves it out (some user agents mishandle it).
+    display_name: str | None = None
+    register_ttl_s: int = Field(300, ge=5, le=86400)
+    # Janus takes one call per plugin handle; default: session capacity + 1, so that the call
+    # after the last free session still reaches us and is refused with 486 Busy Here.
+    lines: int | None = Field(None, ge=1, le=257)
+    reconnect_max_s: float = Field(5.0, gt=0, le=300)
+    request_timeout_s: float = Field(10.0, gt=0, le=120)
+
+
+class GatewaySettings(_Section):
+    janus: JanusGatewaySettings = Field(default_factory=JanusGatewaySettings)
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     rtc: RtcSettings = Field(default_factory=RtcSettings)
@@ -214,6 +247,7 @@ class Settings(_Section):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     telephony: TelephonySettings = Field(default_factory=TelephonySettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @model_validator(mode="after")
     def _web_root_exists(self) -> "Settings":

@@ -23,6 +23,7 @@ from conftest import PATIENT_WINDOWS, running_server
 from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
 from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.media.consent import ice_connections
 from lychee_rtc.pcm import write_wav
 from lychee_rtc.server.app import MANAGER_KEY
 
@@ -264,3 +265,32 @@ async def test_a_full_server_refusal_is_shown(tmp_path):
                 assert not errors, errors
         finally:
             await occupant.close()
+
+
+async def test_the_page_resumes_its_session_after_the_path_breaks(tmp_path):
+    async with running_server(session={"media_timeout_s": 2.0}) as (url, app), chromium(tmp_path) as context:
+        page, errors = await open_page(context, url)
+        await page.click("#connect")
+        await expect(page.locator("#conn-status")).to_have_attribute("data-status", "connected", timeout=30_000)
+        await expect(log_entry(page, "session.created")).to_have_count(1, timeout=15_000)
+        (session_id, call), = app[MANAGER_KEY].calls.items()
+        # The network path breaks: nothing of this call gets through any more, either way.
+        for connection in ice_connections(call.pc):
+            for protocol in connection._protocols:
+                protocol.datagram_received = lambda data, addr: None
+                protocol.transport.sendto = lambda data, addr=None: None
+        await expect(page.locator("#conn-status")).to_have_text("Connected (resumed)", timeout=90_000)
+        await expect(page.locator("#log")).to_contain_text("resuming the session, attempt 1")
+        await expect(log_entry(page, "session.resumed")).to_have_count(1)
+        assert list(app[MANAGER_KEY].calls) == [session_id] and call.resumes == 1
+        await expect(page.locator("#session-id")).to_have_text(session_id)
+        # Events after the resume arrive once each, in order.
+        seqs = await page.locator("#log li[data-seq]").evaluate_all("(lis) => lis.map((li) => Number(li.dataset.seq))")
+        assert seqs == sorted(set(seqs)), seqs
+        await page.click("#disconnect")
+        for _ in range(100):
+            if not app[MANAGER_KEY].calls:
+                break
+            await asyncio.sleep(0.1)
+        assert not app[MANAGER_KEY].calls
+        assert not errors, errors

@@ -243,6 +243,7 @@ async def test_malformed_events_get_errors_and_the_session_lives_on(echo_server)
     await client.connect()
     try:
         await client.wait_event("session.created")
+        client.pc.sctp._remote_max_message_size = 0  # send past the advertised a=max-message-size, as a hostile peer would
         for raw, _ in BAD_MESSAGES:
             client.send(raw)
         await wait_until(lambda: len(client.events_of("error")) >= len(BAD_MESSAGES), what="every error")
@@ -273,7 +274,7 @@ async def test_g711_call_echoes(utterance):
         await client.connect()
         try:
             async with aiohttp.ClientSession() as http:
-                async with http.get(f"{url}/v1/sessions/{client.session_id}") as resp:
+                async with http.get(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as resp:
                     assert (await resp.json())["codec"] == "PCMU"
             client.mic.feed(SILENCE)
             client.mic.feed(utterance)
@@ -302,7 +303,7 @@ VANISHING_CLIENT = textwrap.dedent("""
 
 
 async def test_a_client_that_vanishes_frees_its_slot():
-    async with running_server(session={"max_sessions": 1, "media_timeout_s": 1.5}) as (url, _):
+    async with running_server(session={"max_sessions": 1, "media_timeout_s": 1.5, "resume_window_s": 1.0}) as (url, _):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", VANISHING_CLIENT, url, stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

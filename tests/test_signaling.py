@@ -108,13 +108,14 @@ async def test_json_offer_answer_and_session_listing(echo_server):
         assert "a=rtpmap:" in answer["sdp"] and "opus/48000" in answer["sdp"]
         # Only the configured codecs are offered back.
         assert "G722" not in answer["sdp"]
-        status, headers, body = await request("GET", url, f"/v1/sessions/{answer['session_id']}")
+        token = {"Authorization": f"Bearer {answer['session_token']}"}
+        status, headers, body = await request("GET", url, f"/v1/sessions/{answer['session_id']}", headers=token)
         assert status == 200
         check_response("/v1/sessions/{session_id}", "GET", status, headers, body)
         assert json.loads(body)["epoch"] == 0
-        status, headers, body = await request("DELETE", url, f"/v1/sessions/{answer['session_id']}")
+        status, headers, body = await request("DELETE", url, f"/v1/sessions/{answer['session_id']}", headers=token)
         assert status == 200
-        status, headers, body = await request("GET", url, f"/v1/sessions/{answer['session_id']}")
+        status, headers, body = await request("GET", url, f"/v1/sessions/{answer['session_id']}", headers=token)
         assert status == 404
         check_response("/v1/sessions/{session_id}", "GET", status, headers, body)
     finally:
@@ -161,7 +162,7 @@ async def test_whip_post_patch_delete():
             assert status == 201
             check_response("/whip", "POST", status, headers, body)
             location, etag = headers["Location"], headers["ETag"]
-            assert location.startswith("/whip/sess_")
+            assert location.startswith("/whip/whip_")
             assert headers["Access-Control-Allow-Origin"] == "*"
             assert "Location" in headers["Access-Control-Expose-Headers"]
             links = headers.getall("Link")
@@ -179,7 +180,7 @@ async def test_whip_post_patch_delete():
             status, headers, body = await request("PATCH", url, location, data=frag.format("other", "x" * 22),
                                                   headers={"Content-Type": "application/trickle-ice-sdpfrag"})
             assert status == 422 and b"ICE restart" in body
-            check_response("/whip/{session_id}", "PATCH", status, headers, body)
+            check_response("/whip/{resource_id}", "PATCH", status, headers, body)
             status, headers, body = await request("PATCH", url, location, data=frag.format(ufrag, "x"),
                                                   headers={"Content-Type": "application/trickle-ice-sdpfrag",
                                                            "If-Match": '"stale"'})
@@ -192,7 +193,7 @@ async def test_whip_post_patch_delete():
             assert status == 200
             status, headers, body = await request("DELETE", url, location)
             assert status == 404
-            check_response("/whip/{session_id}", "DELETE", status, headers, body)
+            check_response("/whip/{resource_id}", "DELETE", status, headers, body)
         finally:
             await pc.close()
 

@@ -202,6 +202,11 @@ async function connect() {
     onOpen: () => logLocal("data channel open"),
     onState: (s) => onConnectionState(s),
     onClose: (reason) => onCallClosed(call, reason),
+    onReconnecting: (attempt, why) => {
+      setStatus("connecting", `Reconnecting… (${why}, attempt ${attempt})`);
+      logLocal(`${why}: resuming the session, attempt ${attempt}`);
+    },
+    onResumed: () => logLocal("offer answered: session resumed"),
   });
   state.call = call;
   state.connectedAt = performance.now();
@@ -284,6 +289,7 @@ function onConnectionState(pcState) {
     failed: "Connection failed",
     closed: "Not connected",
   };
+  if (state.call?.resumes) labels.connected = "Connected (resumed)";
   const status = pcState === "connected" ? "connected" : pcState === "failed" ? "error" : "connecting";
   if (state.call && !state.call.closed) setStatus(status, labels[pcState] ?? pcState);
   logLocal(`peer connection ${pcState}`);
@@ -403,6 +409,12 @@ const EVENT_HANDLERS = {
     setStatus("idle", `Closed by the server (${e.reason})`);
     showAlert(`The server ended the session: ${e.reason}.`, "info");
     state.call.close(`closed by the server: ${e.reason}`);
+  },
+  "session.resumed": (e) => {
+    onSession(e.session, false);
+    setStatus("connected", "Connected (resumed)");
+    if (e.lost) showAlert(`Reconnected; ${e.lost} event(s) from the break could not be replayed.`, "info");
+    else hideAlert();
   },
   "turn.state": (e) => setAgentState(e.state, e.reason),
   "input_audio_buffer.speech_started": (e) => { state.speechStartMs = e.audio_start_ms; },
@@ -563,6 +575,7 @@ function logEvent(event, direction) {
   li.className = `entry ${direction}`;
   li.dataset.type = event.type ?? "?";
   if (event.type === "response.done") li.dataset.status = event.response?.status ?? "";
+  if (direction === "in" && typeof event.seq === "number") li.dataset.seq = String(event.seq);
   if (event.type === "error") li.classList.add("is-error");
 
   const details = document.createElement("details");

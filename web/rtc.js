@@ -77,9 +77,16 @@ async function readError(response) {
   });
 }
 
+// After the media path is lost (network change, ICE failure), the page offers again with the
+// session's resume token; the server keeps the session this long (session.resume_window_s).
+const RESUME_WINDOW_MS = 30000;
+// "disconnected" often heals by itself within a few seconds; past this the path counts as lost.
+const DISCONNECTED_GRACE_MS = 3000;
+
 export class RtcCall {
   /**
-   * @param {object} handlers onEvent(event), onTrack(stream), onOpen(), onClose(reason), onState(pcState)
+   * @param {object} handlers onEvent(event), onTrack(stream), onOpen(), onClose(reason), onState(pcState),
+   *   onReconnecting(attempt), onResumed()
    */
   constructor(handlers) {
     this.handlers = handlers;
@@ -87,10 +94,16 @@ export class RtcCall {
     this.channel = null;
     this.mic = null;
     this.sessionId = null;
+    this.sessionToken = null;
     this.closed = false;
     this.sentCount = 0;
     this.baseUrl = "";
     this.auth = {};
+    this.lastSeq = 0; // the newest server event received: a resume replays what came after it
+    this.serverClosed = false;
+    this.reconnecting = false;
+    this.resumes = 0; // how many times this call came back on a new connection
+    this.disconnectedTimer = null;
   }
 
   /** Opens the microphone, negotiates with the server and resolves once the answer is applied. */
@@ -102,42 +115,97 @@ export class RtcCall {
       this.mic.getTracks().forEach((t) => t.stop());
       return;
     }
+    const answer = await this.#negotiate({ session }, this.auth);
+    if (!answer) return;
+    this.sessionId = answer.session_id;
+    this.sessionToken = answer.session_token; // this session's own secret, for its HTTP resource and resumes
+    if (this.closed) { // disconnected while the offer was in flight: free the slot it took
+      this.#deleteSession();
+      return;
+    }
+    await this.pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
+  }
+
+  /** A new peer connection with the microphone and an events channel; posts its offer, returns the answer. */
+  async #negotiate(extra, headers) {
     const pc = new RTCPeerConnection({ iceServers: [] });
     this.pc = pc;
     for (const track of this.mic.getAudioTracks()) pc.addTrack(track, this.mic);
     // The data channel must exist before the offer so that it is negotiated with it.
-    this.channel = pc.createDataChannel("events");
-    this.channel.addEventListener("open", () => this.handlers.onOpen?.());
-    this.channel.addEventListener("message", (e) => this.#onMessage(e));
-    this.channel.addEventListener("close", () => this.#finish("data channel closed"));
+    const channel = pc.createDataChannel("events");
+    this.channel = channel;
+    channel.addEventListener("open", () => this.handlers.onOpen?.());
+    channel.addEventListener("message", (e) => this.#onMessage(e));
+    channel.addEventListener("close", () => {
+      if (this.pc !== pc || this.closed) return;
+      if (this.serverClosed) this.#finish("data channel closed");
+      else this.#pathLost("data channel closed");
+    });
     pc.addEventListener("track", (e) => this.handlers.onTrack?.(e.streams[0] ?? new MediaStream([e.track])));
     pc.addEventListener("connectionstatechange", () => {
+      if (this.pc !== pc) return;
       this.handlers.onState?.(pc.connectionState);
-      if (pc.connectionState === "failed") this.#finish("connection failed (no route to the server's media port?)");
+      clearTimeout(this.disconnectedTimer);
+      if (pc.connectionState === "failed") this.#pathLost("connection failed");
+      else if (pc.connectionState === "disconnected") {
+        this.disconnectedTimer = setTimeout(() => {
+          if (this.pc === pc && pc.connectionState === "disconnected") this.#pathLost("connection interrupted");
+        }, DISCONNECTED_GRACE_MS);
+      }
     });
 
     await pc.setLocalDescription(await pc.createOffer());
     await iceGatheringComplete(pc);
-
-    if (this.closed) return;
+    if (this.closed) return null;
     let response;
     try {
-      response = await fetch(`${baseUrl}/v1/rtc/offer`, {
+      response = await fetch(`${this.baseUrl}/v1/rtc/offer`, {
         method: "POST",
-        headers: { "Content-Type": "application/json", ...this.auth },
-        body: JSON.stringify({ type: "offer", sdp: pc.localDescription.sdp, session }),
+        headers: { "Content-Type": "application/json", ...headers },
+        body: JSON.stringify({ type: "offer", sdp: pc.localDescription.sdp, ...extra }),
       });
     } catch (err) {
       throw new SignalingError(`Cannot reach the server: ${err.message}`);
     }
     if (!response.ok) throw await readError(response);
-    const answer = await response.json();
-    this.sessionId = answer.session_id;
-    if (this.closed) { // disconnected while the offer was in flight: free the slot it took
-      this.#deleteSession();
+    return response.json();
+  }
+
+  /** The media path is gone but the session may live on at the server: offer again, resuming it. */
+  async #pathLost(why) {
+    if (this.closed || this.reconnecting) return;
+    if (!this.sessionId || !this.sessionToken) {
+      this.#finish(why === "connection failed" ? "connection failed (no route to the server's media port?)" : why);
       return;
     }
-    await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
+    this.reconnecting = true;
+    const deadline = Date.now() + RESUME_WINDOW_MS;
+    let delayMs = 500;
+    for (let attempt = 1; !this.closed && Date.now() < deadline; attempt += 1) {
+      this.handlers.onReconnecting?.(attempt, why);
+      const old = this.pc;
+      setTimeout(() => old?.close(), 0);
+      try {
+        const resume = { session_id: this.sessionId, session_token: this.sessionToken, last_seq: this.lastSeq };
+        const answer = await this.#negotiate({ resume }, {});
+        if (!answer || this.closed) return;
+        await this.pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
+        this.reconnecting = false;
+        this.resumes += 1;
+        this.handlers.onResumed?.();
+        return;
+      } catch (err) {
+        if (err instanceof SignalingError && [401, 404].includes(err.status)) {
+          this.reconnecting = false;
+          this.#finish(`the session could not be resumed (${err.message})`);
+          return;
+        }
+      }
+      await new Promise((resolve) => setTimeout(resolve, delayMs));
+      delayMs = Math.min(delayMs * 2, 5000);
+    }
+    this.reconnecting = false;
+    this.#finish(`${why}; reconnecting gave up`);
   }
 
   /** Sends one client event; returns it (with its event_id) or null when the channel is not open. */
@@ -173,7 +241,8 @@ export class RtcCall {
 
   #deleteSession() {
     if (!this.sessionId) return;
-    fetch(`${this.baseUrl}/v1/sessions/${encodeURIComponent(this.sessionId)}`, { method: "DELETE", headers: this.auth })
+    const headers = this.sessionToken ? { Authorization: `Bearer ${this.sessionToken}` } : this.auth;
+    fetch(`${this.baseUrl}/v1/sessions/${encodeURIComponent(this.sessionId)}`, { method: "DELETE", headers })
       .catch(() => { /* the server's connect timeout frees it anyway */ });
   }
 
@@ -184,12 +253,18 @@ export class RtcCall {
     } catch {
       event = { type: "error", error: { code: "bad_message", message: "unparseable message from the server" } };
     }
+    if (typeof event.seq === "number") {
+      if (event.seq <= this.lastSeq) return; // already seen: a resume replays from the journal
+      this.lastSeq = event.seq;
+    }
+    if (event.type === "session.closed") this.serverClosed = true;
     this.handlers.onEvent?.(event);
   }
 
   #finish(reason) {
     if (this.closed) return;
     this.closed = true;
+    clearTimeout(this.disconnectedTimer);
     // Let a queued session.close leave before the transport goes away.
     const pc = this.pc;
     setTimeout(() => pc?.close(), 100);

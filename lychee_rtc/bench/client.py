@@ -21,6 +21,9 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+from lychee_rtc.media.codec_threads import limit_codec_threads
+from lychee_rtc.pcm import FrameResampler
+
 RATE = 48000
 FRAME = RATE // 50  # 20 ms
 
@@ -153,8 +156,10 @@ class LinkImpairment:
 
 class RtcClient:
     def __init__(self, base_url: str, *, channel_label: str = "events", codec: str | None = None,
-                 jitter_buffer: str = "aiortc") -> None:
+                 jitter_buffer: str = "aiortc", auth_token: str | None = None) -> None:
+        limit_codec_threads()
         self.base_url = base_url.rstrip("/")
+        self.auth_token = auth_token  # the server key, when the server wants one to create sessions
         self.jitter_buffer = jitter_buffer  # "aiortc" (a stock aiortc caller) or "lowlatency" (ours)
         self.channel_label = channel_label
         self.codec = codec
@@ -164,21 +169,27 @@ class RtcClient:
         self.events: list[dict[str, Any]] = []
         self.event_times: list[float] = []
         self.session_id: str | None = None
+        self.session_token: str | None = None  # the session's own secret, for its HTTP resource
         self.channel = None
         self._event_signal = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._channel_open = asyncio.Event()
 
-    async def connect(self, session: dict[str, Any] | None = None) -> None:
+    async def connect(self, session: dict[str, Any] | None = None, resume: dict[str, Any] | None = None) -> None:
+        """Offer and apply the answer; ``resume`` ({session_id, session_token, last_seq}) re-attaches a session."""
         body: dict[str, Any] = {"sdp": await self.make_offer(), "type": "offer"}
         if session is not None:
             body["session"] = session
+        if resume is not None:
+            body["resume"] = resume
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body) as resp:
+            headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
+            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body, headers=headers) as resp:
                 data = await resp.json()
                 if resp.status != 200:
                     raise RuntimeError(f"offer refused: {resp.status} {data}")
         self.session_id = data["session_id"]
+        self.session_token = data.get("session_token")
         await self.accept_answer(data["sdp"])
 
     async def make_offer(self) -> str:
@@ -211,17 +222,20 @@ class RtcClient:
         await asyncio.wait_for(self._channel_open.wait(), timeout)
 
     async def _record(self, track) -> None:
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            arrival = time.monotonic()
-            offset = int(frame.pts * frame.time_base * RATE) if frame.pts is not None else 0
-            pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in resampler.resample(frame)] or
-                                 [np.zeros(0, np.float32)])
-            self.received.chunks.append((offset, pcm.astype(np.float32), arrival))
+        resampler = FrameResampler("flt", "mono", RATE)
+        try:
+            while True:
+                try:
+                    frame = await track.recv()
+                except MediaStreamError:
+                    return
+                arrival = time.monotonic()
+                offset = int(frame.pts * frame.time_base * RATE) if frame.pts is not None else 0
+                pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in resampler.resample(frame)] or
+                                     [np.zeros(0, np.float32)])
+                self.received.chunks.append((offset, pcm.astype(np.float32), arrival))
+        finally:
+            resampler.close()
 
     def _on_message(self, message: str) -> None:
         event = json.loads(message)
@@ -232,6 +246,11 @@ class RtcClient:
     async def _notify(self) -> None:
         async with self._event_signal:
             self._event_signal.notify_all()
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers that open this session's resource (``/v1/sessions/{id}``)."""
+        return {"Authorization": f"Bearer {self.session_token}"} if self.session_token else {}
 
     def impair_uplink(self, impairment: LinkImpairment) -> None:
         sender = next(s for s in self.pc.getSenders() if s.track is self.mic)

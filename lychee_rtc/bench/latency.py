@@ -145,7 +145,7 @@ async def measure(url: str, *, probes: int, interval_s: float, loss: float, jitt
         import aiohttp
 
         async with aiohttp.ClientSession() as http:
-            async with http.get(f"{url}/v1/sessions/{client.session_id}") as resp:
+            async with http.get(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as resp:
                 if resp.status == 200:
                     counters = (await resp.json())["counters"]
     finally:

@@ -54,6 +54,10 @@ class SessionOptions:
     instructions: str | None = None
 
 
+# The keys of a phone keypad as RFC 4733 numbers them (events 0-15).
+DTMF_DIGITS = "0123456789*#ABCD"
+
+
 class ControlKind(str, enum.Enum):
     CANCEL = "cancel"  # stop the current response at once; ``epoch`` is the new epoch
     FORCE_LISTEN = "force_listen"  # hold the model in listening until RELEASE_LISTEN
@@ -61,6 +65,7 @@ class ControlKind(str, enum.Enum):
     COMMIT = "commit"  # the user has finished speaking: answer now
     UPDATE = "update"  # new SessionOptions (new instructions wait for the next context reset)
     RESTART = "restart"  # a fresh conversation now, prefilled from ``options`` (before the model spoke)
+    DTMF = "dtmf"  # the caller pressed a key (``digit``); engines may use it or ignore it
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class Control:
     kind: ControlKind
     epoch: int
     options: SessionOptions | None = None
+    digit: str | None = None  # for DTMF: one of 0-9 * # A-D
 
 
 # ---------------------------------------------------------------------------------------------

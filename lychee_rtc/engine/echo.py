@@ -139,6 +139,12 @@ class EchoBackend:
             if s.waiting_answer is not None:
                 audio, s.waiting_answer = s.waiting_answer, None
                 events += self._start_response(s, audio)
+        elif c.kind is ControlKind.DTMF:
+            # "#" ends the caller's turn, as on a voicemail prompt; other keys are only events.
+            if c.digit == "#" and s.utterance_samples:
+                audio = self._take_utterance(s, trailing_silence=0)
+                events.append(SpeechStopped(s.epoch, s.position))
+                events += self._answer(s, audio)
         elif c.kind is ControlKind.COMMIT:
             if not s.utterance_samples:
                 events.append(EngineError(s.epoch, "input_audio_buffer_commit_empty",

@@ -21,6 +21,7 @@ import numpy as np
 from lychee_rtc.engine.base import (
     CapacityError,
     Control,
+    ControlKind,
     EngineCapabilities,
     EngineError,
     EngineEvent,
@@ -34,6 +35,26 @@ log = logging.getLogger(__name__)
 
 # Events queued for a session that is not reading them (it is closing, or stuck) are bounded too.
 MAX_QUEUED_EVENTS = 4096
+# Controls waiting for the next step, per slot; past this they are compacted (see compact_controls).
+MAX_PENDING_CONTROLS = 32
+
+
+def _control_group(control: Control) -> str:
+    # Holding and releasing are one state: only the last word on it matters.
+    if control.kind in (ControlKind.FORCE_LISTEN, ControlKind.RELEASE_LISTEN):
+        return "listen"
+    return control.kind.value
+
+
+def compact_controls(controls: list[Control]) -> list[Control]:
+    """The last control of each kind, in the order of those last ones.
+
+    A later CANCEL carries the newer epoch, a later UPDATE the whole newer options, a later
+    hold/release the current holding state, and a second COMMIT adds nothing: so the result
+    leaves the backend where the full list would, with at most one control per kind.
+    """
+    last = {_control_group(c): i for i, c in enumerate(controls)}
+    return [c for i, c in enumerate(controls) if last[_control_group(c)] == i]
 
 
 @dataclass
@@ -86,7 +107,14 @@ class EngineSlot:
         if self.closed:
             return
         self._controls.append(control)
+        if len(self._controls) > MAX_PENDING_CONTROLS:
+            self._controls = compact_controls(self._controls)
         self._engine.wake()
+
+    def _requeue(self, controls: tuple[Control, ...] | list[Control]) -> None:
+        """Put controls of a failed step back in front of newer ones, compacted so a backend that keeps
+        failing cannot make the list grow with the client's message rate."""
+        self._controls = compact_controls([*controls, *self._controls])
 
     async def close(self) -> None:
         if self.closed:
@@ -225,9 +253,9 @@ class Engine:
             # The windows are lost, but controls (a CANCEL above all) must still reach the backend,
             # or its epoch would stay behind the session's for good.
             for slot, controls in controls_only:
-                slot._controls[:0] = controls
+                slot._requeue(controls)
             for slot, window, _ in batch:
-                slot._controls[:0] = window.controls
+                slot._requeue(window.controls)
             raise
         for (slot, _), events in zip(controls_only, control_events):
             slot._deliver(events)

@@ -13,7 +13,7 @@ import av
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from lychee_rtc.media.uplink import InboundCounters, UplinkTimeline
-from lychee_rtc.pcm import frames_to_array
+from lychee_rtc.pcm import FrameResampler, frames_to_array
 from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
@@ -23,48 +23,52 @@ __all__ = ["InboundCounters", "consume_audio", "drain"]
 
 async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counters: InboundCounters) -> None:
     rate = session.capabilities.input_rate
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+    resampler = FrameResampler("flt", "mono", rate)
     source: tuple | None = None  # (rate, layout, format) the resampler was set up for
     timeline = UplinkTimeline(rate, counters)
     aligned = False
-    while True:
-        try:
-            frame = await track.recv()
-        except MediaStreamError:
-            return
-        if session.closed:
-            return
-        counters.frames += 1
-        shape = (frame.sample_rate, frame.layout.name, frame.format.name)
-        if shape != source:
-            if source is not None:  # the sender switched codec: a new stream of another shape
-                counters.stream_breaks += 1
-                resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-                timeline.restart()
-            source = shape
-        if frame.pts is not None and frame.time_base is not None and frame.sample_rate:
-            duration = frame.samples / frame.sample_rate
-            gap = timeline.place(float(frame.pts * frame.time_base), duration)
-            if gap is None:
+    try:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            if session.closed:
+                return
+            counters.frames += 1
+            shape = (frame.sample_rate, frame.layout.name, frame.format.name)
+            if shape != source:
+                if source is not None:  # the sender switched codec: a new stream of another shape
+                    counters.stream_breaks += 1
+                    resampler.close()
+                    resampler = FrameResampler("flt", "mono", rate)
+                    timeline.restart()
+                source = shape
+            if frame.pts is not None and frame.time_base is not None and frame.sample_rate:
+                duration = frame.samples / frame.sample_rate
+                gap = timeline.place(float(frame.pts * frame.time_base), duration)
+                if gap is None:
+                    continue
+                if gap:
+                    session.push_gap(gap, fill=timeline.concealment(gap, duration))
+            try:
+                samples = frames_to_array(resampler.resample(frame))
+            except (ValueError, av.FFmpegError) as exc:
+                counters.bad_frames += 1
+                log.warning("session %s: dropping undecodable audio frame: %s", session.id, exc)
                 continue
-            if gap:
-                session.push_gap(gap, fill=timeline.concealment(gap, duration))
-        try:
-            samples = frames_to_array(resampler.resample(frame))
-        except (ValueError, av.FFmpegError) as exc:
-            counters.bad_frames += 1
-            log.warning("session %s: dropping undecodable audio frame: %s", session.id, exc)
-            continue
-        if not aligned:
-            # The resampler's filter delay makes its first output a little short of a frame. Dropping
-            # that first chunk puts window boundaries on packet boundaries, so a window completes
-            # with the packet that carries its last sample instead of one packet later.
-            aligned = True
-            if len(samples) < round(frame.samples * rate / frame.sample_rate):
-                continue
-        if len(samples):
-            timeline.heard(samples)
-            session.push_audio(samples)
+            if not aligned:
+                # The resampler's filter delay makes its first output a little short of a frame. Dropping
+                # that first chunk puts window boundaries on packet boundaries, so a window completes
+                # with the packet that carries its last sample instead of one packet later.
+                aligned = True
+                if len(samples) < round(frame.samples * rate / frame.sample_rate):
+                    continue
+            if len(samples):
+                timeline.heard(samples)
+                session.push_audio(samples)
+    finally:
+        resampler.close()  # its filter graph goes now, not when the collector runs
 
 
 async def drain(track: MediaStreamTrack) -> None:

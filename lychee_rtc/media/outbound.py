@@ -122,6 +122,10 @@ class PacedAudioTrack(MediaStreamTrack):
         """Drop everything queued and start a fresh buffer for ``new_epoch``."""
         return self.playout.cut(new_epoch)
 
+    def stop(self) -> None:
+        super().stop()
+        self.playout.close()
+
     def playout_counters(self) -> PlayoutCounters:
         return self.playout.playout_counters()
 

@@ -55,7 +55,8 @@ class PlayoutBuffer:
         self._size = 0
         self._writer: tuple[str, PcmResampler] | None = None
         self._playing: str | None = None  # response whose samples are being read
-        self._played: dict[str, int] = {}  # played samples per response, for the ledger
+        # Played samples of the responses still queued or playing; an entry goes when its response ends.
+        self._played: dict[str, int] = {}
 
     @property
     def depth_samples(self) -> int:
@@ -99,12 +100,13 @@ class PlayoutBuffer:
             seg = self._segments[0]
             if seg.end:
                 self._segments.popleft()
-                marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.get(seg.response_id, 0)))
+                marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.pop(seg.response_id, 0)))
                 if self._playing == seg.response_id:
                     self._playing = None
                 continue
             if self._playing != seg.response_id:
                 self._playing = seg.response_id
+                self._forget_finished(seg.response_id)
                 self._played.setdefault(seg.response_id, 0)
                 marks.append(PlayoutMark("started", seg.response_id, pos))
             take = min(n - pos, len(seg.samples))
@@ -121,10 +123,22 @@ class PlayoutBuffer:
         # A response that ended exactly on the frame boundary reports its end now, not a frame late.
         if self._segments and self._segments[0].end:
             seg = self._segments.popleft()
-            marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.get(seg.response_id, 0)))
+            marks.append(PlayoutMark("finished", seg.response_id, pos, self._played.pop(seg.response_id, 0)))
             if self._playing == seg.response_id:
                 self._playing = None
         return out, marks
+
+    def _forget_finished(self, playing: str) -> None:
+        """Drop the counts of responses that ended without an end mark (superseded): nothing of them is left."""
+        queued = {seg.response_id for seg in self._segments}
+        for response_id in [r for r in self._played if r != playing and r not in queued]:
+            del self._played[response_id]
+
+    def close(self) -> None:
+        """Free the response resampler now; the buffer is not written to afterwards."""
+        if self._writer is not None:
+            self._writer[1].close()
+            self._writer = None
 
     def discard(self, n: int) -> int:
         """Drop up to ``n`` of the oldest queued samples (end markers stay); returns how many."""
@@ -141,7 +155,7 @@ class PlayoutBuffer:
 
     def _resampler_for(self, response_id: str) -> PcmResampler:
         if self._writer is None or self._writer[0] != response_id:
-            if self._writer is not None:  # previous response never ended: keep its tail
+            if self._writer is not None:  # previous response never ended: keep its tail (flush frees it)
                 self._append(self._writer[0], self._writer[1].flush())
             self._writer = (response_id, PcmResampler(self.in_rate, self.out_rate))
         return self._writer[1]
@@ -191,6 +205,7 @@ class EpochPlayout:
         if self.position or rate == self.out_rate:
             return
         self.out_rate = rate
+        self._buffer.close()
         self._buffer = self._new_buffer(self._buffer.epoch)
 
     # --- the AudioSink protocol (session.sink) ---------------------------------------------------
@@ -238,6 +253,7 @@ class EpochPlayout:
         old = self._buffer
         playing = old.playing
         self._fold(old.counters)
+        old.close()
         self._buffer = self._new_buffer(new_epoch)
         return CutReport(
             old_epoch=old.epoch,
@@ -247,6 +263,10 @@ class EpochPlayout:
             sample_offset=self.position,
             rate=self.out_rate,
         )
+
+    def close(self) -> None:
+        """The transport has stopped: free the live buffer's resampler now."""
+        self._buffer.close()
 
     # --- the transport's side --------------------------------------------------------------------
 

@@ -6,6 +6,10 @@ import re
 from dataclasses import dataclass
 
 
+# RFC 5888 / RFC 4566 token characters: what a media id may be.
+MID_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`{|}~]{1,32}")
+
+
 class SdpError(ValueError):
     """The offer is malformed (HTTP 400) or acceptable SDP we cannot serve (``unprocessable``, 422)."""
 
@@ -21,6 +25,7 @@ class MediaSection:
     payload_types: tuple[str, ...]
     rtpmap: dict[str, str]  # payload type -> "opus/48000/2"
     direction: str
+    mid: str | None = None
 
 
 def parse_media_sections(sdp: str) -> list[MediaSection]:
@@ -38,6 +43,8 @@ def parse_media_sections(sdp: str) -> list[MediaSection]:
         elif current is not None and line.startswith("a=rtpmap:"):
             pt, _, codec = line[len("a=rtpmap:"):].partition(" ")
             current["rtpmap"][pt] = codec.strip()
+        elif current is not None and line.startswith("a=mid:"):
+            current["mid"] = line[len("a=mid:"):]  # as aiortc reads it: no trimming
         elif current is not None and line[2:] in ("sendrecv", "sendonly", "recvonly", "inactive") and line.startswith("a="):
             current["direction"] = line[2:]
     if current is not None:
@@ -66,7 +73,30 @@ def validate_offer(sdp: str) -> list[MediaSection]:
         raise SdpError("SDP offer lacks ICE credentials (a=ice-ufrag / a=ice-pwd)")
     if "a=fingerprint:" not in sdp:
         raise SdpError("SDP offer lacks a DTLS fingerprint (a=fingerprint)")
+    _check_bundle(lines, sections)
     return sections
+
+
+def _check_bundle(lines: list[str], sections: list[MediaSection]) -> None:
+    """Every mid a BUNDLE group names must be a media section of this offer (RFC 9143)."""
+    mids = [s.mid for s in sections if s.mid is not None]
+    for mid in mids:
+        if not MID_TOKEN.fullmatch(mid):
+            raise SdpError(f"a=mid:{mid[:40]!r} is not a valid media id (RFC 5888: 1 to 32 token characters)")
+    duplicates = sorted({m for m in mids if mids.count(m) > 1})
+    if duplicates:
+        raise SdpError(f"SDP offer uses a=mid:{duplicates[0]} for more than one media section")
+    for line in lines:
+        if not line.startswith("a=group:"):
+            continue
+        semantic, *items = line[len("a=group:"):].split()
+        if semantic != "BUNDLE":
+            continue
+        if not items:
+            raise SdpError("a=group:BUNDLE names no media section")
+        for item in items:
+            if item not in mids:
+                raise SdpError(f"a=group:BUNDLE names mid {item!r}, but no media section has a=mid:{item}")
 
 
 def negotiated_audio_codec(answer_sdp: str) -> tuple[str, int] | None:

@@ -5,7 +5,6 @@ The HTTP contract is written down in signaling/openapi.yaml; tests check this se
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -17,12 +16,14 @@ from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.server import auth
+from lychee_rtc.server.auth import Policy
+from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.openai import routes as realtime
-from lychee_rtc.server.sessions import Call, RtcCall, ServerFull, SessionManager
-from lychee_rtc.server.telephony import MEDIA_PATH as TELEPHONY_MEDIA_PATH
+from lychee_rtc.server.sessions import Call, ResumeRefused, RtcCall, ServerFull, SessionManager
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
-from lychee_rtc.session.protocol import validator
+from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads, validator
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ SETTINGS_KEY = web.AppKey("settings", Settings)
 MANAGER_KEY = web.AppKey("manager", SessionManager)
 ENGINE_KEY = web.AppKey("engine", Engine)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+GATEWAY_KEY = web.AppKey("gateway", object)  # the SIP gateway connector, when configured
 
 WHIP_PATCH_TYPE = "application/trickle-ice-sdpfrag"
 CORS_EXPOSE = "Location, ETag, Link, Accept-Patch, Accept-Post, Retry-After"
@@ -38,10 +40,19 @@ CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, If-Match, X-OpenAI-Agents-SDK"
 
 
+def _json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    # Strict: a browser's JSON.parse rejects NaN and Infinity, so they are never sent.
+    return web.json_response(data, status=status, headers=headers, dumps=strict_json_dumps)
+
+
 def _error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
            headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"type": error_type, "code": code, "message": message}},
+    return _json_response({"error": {"type": error_type, "code": code, "message": message}},
                              status=status, headers=headers)
+
+
+def _unauthorized(message: str) -> web.Response:
+    return _error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
 
 
 def _full(exc: ServerFull) -> web.Response:
@@ -69,14 +80,9 @@ async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], A
             response.headers["Accept-Post"] = "application/sdp"
             response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
     else:
-        token = settings.server.auth_token
-        # Carriers authenticate their own way (server/telephony.py), never with our bearer token; an
-        # ephemeral key on a call offer is checked by its route (it carries the call's configuration).
-        protected = request.path.startswith(("/v1/", "/whip")) and not request.path.startswith(TELEPHONY_MEDIA_PATH)
-        if token and protected and request.headers.get("Authorization") != f"Bearer {token}" \
-                and not realtime.presents_client_secret(request):
-            response = _error(401, "unauthorized", "missing or wrong bearer token",
-                              headers={"WWW-Authenticate": "Bearer"})
+        key = settings.server.auth_token
+        if auth.policy_of(request) is Policy.SERVER_KEY and not auth.has_server_key(request, key):
+            response = _unauthorized("missing or wrong bearer token")
         else:
             try:
                 response = await handler(request)
@@ -149,6 +155,7 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 # --- handlers --------------------------------------------------------------------------------------
 
 
+@auth.policy(Policy.SESSION)  # a new session needs the server key, a resume the session's token
 async def offer(request: web.Request) -> web.Response:
     manager = request.app[MANAGER_KEY]
     try:
@@ -156,18 +163,22 @@ async def offer(request: web.Request) -> web.Response:
     except SdpError as exc:
         return _error(413 if "exceeds" in str(exc) else 400, "invalid_body", str(exc))
     try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return _error(400, "invalid_json", f"request body is not valid JSON: {exc.msg} at position {exc.pos}")
+        body = strict_json_loads(text)
+    except JsonError as exc:
+        return _error(400, "invalid_json", f"request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return _error(400, "invalid_request", "request body must be a JSON object")
     if not isinstance(body.get("sdp"), str):
         return _error(400, "invalid_request", "field 'sdp' (string) is required")
     if body.get("type") != "offer":
         return _error(400, "invalid_request", "field 'type' must be \"offer\"")
-    unknown = set(body) - {"sdp", "type", "session"}
+    unknown = set(body) - {"sdp", "type", "session", "resume"}
     if unknown:
         return _error(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+    if "resume" in body:
+        return await _resume(request, body)
+    if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
+        return _unauthorized("missing or wrong bearer token")
     raw_session = body.get("session")
     if raw_session is not None:
         errors = list(validator("session_config").iter_errors(raw_session))
@@ -185,8 +196,30 @@ async def offer(request: web.Request) -> web.Response:
         return _full(exc)
     except SdpError as exc:
         return _sdp_error(exc)
-    return web.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
-                              "session_id": call.session.id})
+    return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+                           "session_id": call.session.id, "session_token": call.token})
+
+
+async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
+    """Re-attach an existing session to this offer's new peer connection (see SessionManager.resume)."""
+    resume = body["resume"]
+    errors = list(validator("resume").iter_errors(resume))
+    if errors:
+        where = "/".join(str(p) for p in errors[0].path)
+        return _error(400, "invalid_resume", f"resume{'/' + where if where else ''}: {errors[0].message}")
+    if "session" in body:
+        return _error(400, "invalid_request", "a resumed session keeps its options: send no 'session' object")
+    try:
+        call = await request.app[MANAGER_KEY].resume(resume["session_id"], resume["session_token"], body["sdp"],
+                                                     resume.get("last_seq", 0))
+    except ResumeRefused as exc:
+        if exc.status == 401:
+            return _unauthorized(exc.message)
+        return _error(exc.status, exc.code, exc.message)
+    except SdpError as exc:
+        return _sdp_error(exc)
+    return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+                           "session_id": call.session.id, "session_token": call.token})
 
 
 async def whip_post(request: web.Request) -> web.Response:
@@ -200,7 +233,7 @@ async def whip_post(request: web.Request) -> web.Response:
         return _full(exc)
     except SdpError as exc:
         return _sdp_error(exc)
-    location = f"/whip/{call.session.id}"
+    location = f"/whip/{call.whip_resource}"
     headers = {"Location": location, **_whip_headers(call)}
     response = web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
                             headers=headers)
@@ -209,18 +242,30 @@ async def whip_post(request: web.Request) -> web.Response:
     return response
 
 
-def _call_or_404(request: web.Request, rtc_only: bool = False) -> Call | web.Response:
-    call = request.app[MANAGER_KEY].calls.get(request.match_info["session_id"])
-    if call is None or (rtc_only and not isinstance(call, RtcCall)):
-        return _error(404, "session_not_found", f"no session {request.match_info['session_id']!r}")
+def _session_call(request: web.Request) -> Call | web.Response:
+    """The session named in the path, if the request holds its token (or the server key)."""
+    session_id = request.match_info["session_id"]
+    call = request.app[MANAGER_KEY].calls.get(session_id)
+    if call is None:
+        return _error(404, "session_not_found", f"no session {session_id!r}")
+    if not auth.may_use_session(request, call.token, request.app[SETTINGS_KEY].server.auth_token):
+        return _unauthorized("this session needs its session_token (or the server key) as bearer token")
     return call
 
 
+def _whip_call(request: web.Request) -> RtcCall | web.Response:
+    """The WHIP resource URL is the session's capability: holding it is the authorisation."""
+    call = request.app[MANAGER_KEY].whip_call(request.match_info["resource_id"])
+    if call is None:
+        return _error(404, "session_not_found", "no such WHIP resource")
+    return call
+
+
+@auth.policy(Policy.SESSION)
 async def whip_patch(request: web.Request) -> web.Response:
-    call = _call_or_404(request, rtc_only=True)
+    call = _whip_call(request)
     if isinstance(call, web.Response):
         return call
-    assert isinstance(call, RtcCall)
     if request.content_type != WHIP_PATCH_TYPE:
         return _error(415, "unsupported_media_type", f"PATCH bodies must be {WHIP_PATCH_TYPE}",
                       headers={"Accept-Patch": WHIP_PATCH_TYPE})
@@ -235,8 +280,18 @@ async def whip_patch(request: web.Request) -> web.Response:
     return web.Response(status=204, headers=_whip_headers(call))
 
 
+@auth.policy(Policy.SESSION)
+async def whip_delete(request: web.Request) -> web.Response:
+    call = _whip_call(request)
+    if isinstance(call, web.Response):
+        return call
+    await request.app[MANAGER_KEY].close(call.session.id, "deleted")
+    return web.Response(status=200)
+
+
+@auth.policy(Policy.SESSION)
 async def delete_session(request: web.Request) -> web.Response:
-    call = _call_or_404(request)
+    call = _session_call(request)
     if isinstance(call, web.Response):
         return call
     await request.app[MANAGER_KEY].close(call.session.id, "deleted")
@@ -245,22 +300,23 @@ async def delete_session(request: web.Request) -> web.Response:
 
 async def list_sessions(request: web.Request) -> web.Response:
     manager = request.app[MANAGER_KEY]
-    return web.json_response({
+    return _json_response({
         "capacity": manager.capacity,
         "free": manager.free,
         "sessions": [call.snapshot() for call in manager.calls.values()],
     })
 
 
+@auth.policy(Policy.SESSION)
 async def get_session(request: web.Request) -> web.Response:
-    call = _call_or_404(request)
+    call = _session_call(request)
     if isinstance(call, web.Response):
         return call
-    return web.json_response(call.snapshot())
+    return _json_response(call.snapshot())
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "version": __version__})
+    return _json_response({"status": "ok", "version": __version__})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -268,11 +324,11 @@ async def readyz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body = {"engine": engine.capabilities.name, "capacity": manager.capacity, "free": manager.free}
     if not engine.running:
-        return web.json_response({"status": "starting", **body}, status=503)
+        return _json_response({"status": "starting", **body}, status=503)
     if manager.free <= 0:
-        return web.json_response({"status": "full", **body}, status=503,
+        return _json_response({"status": "full", **body}, status=503,
                                  headers={"Retry-After": str(request.app[SETTINGS_KEY].session.retry_after_s)})
-    return web.json_response({"status": "ready", **body})
+    return _json_response({"status": "ready", **body})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -291,6 +347,7 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 
 def create_app(settings: Settings, engine: Engine | None = None) -> web.Application:
+    install_http_log_filter()
     app = web.Application(middlewares=[cors_and_auth], client_max_size=settings.server.max_sdp_bytes)
     if engine is None:
         engine = Engine(build_backend(settings), settings.session.max_pending_windows)
@@ -305,8 +362,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_get("/v1/sessions/{session_id}", get_session)
     app.router.add_delete("/v1/sessions/{session_id}", delete_session)
     app.router.add_post("/whip", whip_post)
-    app.router.add_patch("/whip/{session_id}", whip_patch)
-    app.router.add_delete("/whip/{session_id}", delete_session)
+    app.router.add_patch("/whip/{resource_id}", whip_patch)
+    app.router.add_delete("/whip/{resource_id}", whip_delete)
     realtime.install(app, settings, app[MANAGER_KEY])
     if settings.telephony.enabled:
         add_telephony_routes(app, settings, app[MANAGER_KEY])
@@ -318,10 +375,19 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     if settings.web_root.is_dir():
         app.router.add_static("/static/", settings.web_root, show_index=False)
 
+    if settings.gateway.janus.enabled:
+        from lychee_rtc.gateway.janus_sip import JanusSipGateway
+
+        app[GATEWAY_KEY] = JanusSipGateway(settings.gateway.janus, app[MANAGER_KEY])
+
     async def on_startup(app: web.Application) -> None:
         await app[ENGINE_KEY].start()
+        if GATEWAY_KEY in app:
+            await app[GATEWAY_KEY].start()
 
     async def on_shutdown(app: web.Application) -> None:
+        if GATEWAY_KEY in app:
+            await app[GATEWAY_KEY].stop()
         await app[MANAGER_KEY].close_all("server_shutdown")
         await app[ENGINE_KEY].stop()
 

@@ -20,6 +20,11 @@ class ServerMetrics(SessionObserver):
         self.active_sessions = Gauge("lychee_rtc_active_sessions", "Sessions with an engine slot", registry=r)
         self.sessions_total = Counter("lychee_rtc_sessions_total", "Sessions created", registry=r)
         self.sessions_refused = Counter("lychee_rtc_sessions_refused_total", "Offers refused: capacity full", registry=r)
+        # By close reason: the server's own fixed vocabulary (session.closed's reasons), never an id.
+        self.sessions_closed = Counter("lychee_rtc_sessions_closed_total", "Sessions ended, by reason", ["reason"],
+                                       registry=r)
+        self.sessions_resumed = Counter("lychee_rtc_sessions_resumed_total",
+                                        "Sessions re-attached to a new connection after losing theirs", registry=r)
         self.windows = Counter("lychee_rtc_windows_total", "Engine windows processed", registry=r)
         self.step_seconds = Histogram("lychee_rtc_engine_step_seconds",
                                       "Batched engine step time (deadline: one window)", buckets=STEP_BUCKETS,
@@ -46,8 +51,10 @@ class ServerMetrics(SessionObserver):
                                         "Windows dropped because the engine was behind", registry=r)
         self.playout_underrun_samples = Counter("lychee_rtc_playout_underrun_samples_total",
                                                 "Silence played in the middle of a response", registry=r)
-        self.playout_depth = Gauge("lychee_rtc_playout_buffer_depth_seconds", "Queued output audio",
-                                   ["session"], registry=r)
+        # Sampled per session on each watchdog tick; no session ids in labels (they are not public).
+        self.playout_depth = Histogram("lychee_rtc_playout_buffer_depth_seconds", "Queued output audio, sampled",
+                                       buckets=(0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 30.0),
+                                       registry=r)
 
     def window_timing(self, timing: WindowTiming) -> None:
         self.windows.inc()

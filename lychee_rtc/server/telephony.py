@@ -14,7 +14,6 @@ the call and steer it (``response.cancel``, ``turn.listen``, ``session.close``, 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -22,11 +21,13 @@ from aiohttp import WSMsgType, web
 
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
+from lychee_rtc.server import auth
+from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.sessions import ServerFull, SessionManager
 from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
 from lychee_rtc.telephony.call import CarrierCall
 from lychee_rtc.telephony.carriers import DIALECTS, HANDSHAKE_EVENTS, Dialect, detect
-from lychee_rtc.telephony.carriers.base import MAX_FRAME_BYTES
+from lychee_rtc.telephony.carriers.base import MAX_FRAME_BYTES, json_object
 from lychee_rtc.telephony.frames import (
     CLOSE_POLICY,
     CLOSE_PROTOCOL_ERROR,
@@ -69,6 +70,7 @@ class TelephonyEndpoint:
 
     # --- the carrier's socket --------------------------------------------------------------------
 
+    @auth.policy(Policy.OPEN)  # carriers authenticate their own way (telephony.auth), checked here
     async def media(self, request: web.Request) -> web.StreamResponse:
         telephony = self.settings.telephony
         provider = request.match_info.get("provider")
@@ -128,7 +130,7 @@ class TelephonyEndpoint:
             if msg.type != WSMsgType.TEXT:
                 continue
             if dialect is None:
-                first = _json_object(msg.data)
+                first = json_object(msg.data)
                 found = detect(first)
                 if found is None:
                     if first.get("event") in HANDSHAKE_EVENTS:
@@ -189,16 +191,6 @@ class TelephonyEndpoint:
             outbox.close(1000, "event stream closed")
             await writer
         return ws
-
-
-def _json_object(raw: str) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-        raise FrameError(f"frame is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise FrameError("frame must be a JSON object")
-    return data
 
 
 def add_routes(app: web.Application, settings: Settings, manager: SessionManager) -> None:

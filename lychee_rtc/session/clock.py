@@ -100,6 +100,13 @@ class WindowClock:
             start += late
         return out + self._fill(samples)
 
+    def resync(self, now: float) -> list[Window]:
+        """A new uplink stream (a resumed call): it continues where the clock is now, not where the old
+        stream stopped, so the time the path was down is not read as late audio."""
+        out = self.poll(now)
+        self._received = self._seq * self.window_samples + self._filled
+        return out
+
     def gap(self, n: int, now: float, fill: np.ndarray | None = None) -> list[Window]:
         """The uplink lost ``n`` samples (RTP timestamps jumped): keep their place, as ``fill`` or silence."""
         if n <= 0:

@@ -10,7 +10,6 @@ interrupt sequence of ARCHITECTURE section 4 atomic.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from lychee_rtc.engine.base import (
     AudioChunk,
     BargeIn,
     CodecTokens,
+    DTMF_DIGITS,
     Control,
     ControlKind,
     EngineError,
@@ -40,7 +40,15 @@ from lychee_rtc.engine.base import (
 from lychee_rtc.engine.scheduler import EngineSlot
 from lychee_rtc.session.clock import WindowClock
 from lychee_rtc.session.ledger import ResponseLedger, ResponseRecord
-from lychee_rtc.session.protocol import ClientEvent, EventStamper, ProtocolError, error_body, parse_client_event
+from lychee_rtc.session.protocol import (
+    MAX_MESSAGE_BYTES,
+    ClientEvent,
+    EventStamper,
+    ProtocolError,
+    error_body,
+    parse_client_event,
+    strict_json_dumps,
+)
 from lychee_rtc.session.sink import AudioSink
 
 log = logging.getLogger(__name__)
@@ -72,6 +80,7 @@ class SessionCounters:
     stale_audio_chunks: int = 0
     interruptions: int = 0
     input_samples: int = 0
+    dtmf_digits: int = 0
 
 
 class SessionObserver:
@@ -96,6 +105,7 @@ class DuplexSession:
         observer: SessionObserver | None = None,
         options: SessionOptions | None = None,
         metrics_enabled: bool = False,
+        origin: dict[str, Any] | None = None,
     ) -> None:
         caps = slot.capabilities
         self.id = session_id
@@ -111,6 +121,9 @@ class DuplexSession:
         self.held = False
         self.options = options or SessionOptions()
         self.metrics_enabled = metrics_enabled
+        # Where the call came from when a connector placed it (a phone call through the SIP
+        # gateway: caller, SIP Call-ID); shown in the session's info and its session.created event.
+        self.origin = dict(origin) if origin else None
         self.created_at = clock()
         self.last_audio_at: float | None = None
         self.counters = SessionCounters()
@@ -120,8 +133,13 @@ class DuplexSession:
         self.closed = False
         self.close_reason: str | None = None
         self.on_close: Callable[[str], Any] | None = None
+        self._close_task: asyncio.Task | None = None
         self._stamper = EventStamper()
         self._outbox: deque[str] = deque()
+        # The latest events, as sent, for a client that resumes after losing its connection.
+        self._journal: deque[tuple[int, str]] = deque(maxlen=settings.resume_journal_events)
+        self.suspended = False  # the media path is gone; the session waits for a resume
+        self._resync_uplink = False
         self._send: Callable[[str], None] | None = None
         self._listeners: list[EventListener] = []  # translators of other dialects (oai-events, sideband)
         self._buffered: Callable[[], int] = lambda: 0
@@ -143,18 +161,30 @@ class DuplexSession:
         self.emit("session.created", session=self.describe())
 
     async def close(self, reason: str) -> None:
-        if self.closed:
-            return
+        """End the session; every caller waits for the same teardown, however many there are.
+
+        The teardown runs as a task of its own, so a caller that is cancelled (an HTTP request
+        whose client went away, a watchdog being stopped) cannot leave it half done.
+        """
+        if self._close_task is None:
+            self._begin_close(reason)
+        assert self._close_task is not None
+        await asyncio.shield(self._close_task)
+
+    def _begin_close(self, reason: str) -> None:
         self.closed = True
         self.close_reason = reason
         self.state = "closed"
         if self.active_response is not None:
             self._finish_response(self.active_response, "cancelled", reason)
         self.emit("session.closed", reason=reason)
-        current = asyncio.current_task()
         for task in self._tasks:
-            if task is not current:
+            if task is not asyncio.current_task():
                 task.cancel()
+        self._close_task = asyncio.get_running_loop().create_task(self._finish_close(reason),
+                                                                  name=f"session-{self.id}-close")
+
+    async def _finish_close(self, reason: str) -> None:
         try:
             await self.slot.close()
         except Exception:  # the transport must still be torn down, or the call would linger
@@ -180,6 +210,7 @@ class DuplexSession:
                                    "window_samples": caps.window_samples},
             "output_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.output_rate},
             "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
+            **({"origin": self.origin} if self.origin else {}),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -188,6 +219,7 @@ class DuplexSession:
         slot = self.slot.counters
         return {
             "session_id": self.id,
+            **({"origin": self.origin} if self.origin else {}),
             "state": self.state,
             "epoch": self.epoch,
             "engine": self.engine_name,
@@ -219,15 +251,55 @@ class DuplexSession:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
+    def buffered_events(self) -> int:
+        """Bytes of events handed to the channel and not yet sent (0 without a channel)."""
+        if self._send is None:
+            return 0
+        try:
+            return int(self._buffered())
+        except Exception:
+            return 0
+
     def detach_channel(self, send: Callable[[str], None] | None = None) -> None:
         """Stop sending on the channel whose ``send`` this is (or on any channel if None)."""
         if send is None or self._send == send:
             self._send = None
 
+    # --- losing and resuming the transport ----------------------------------------------------------
+
+    def suspend(self, reason: str) -> None:
+        """The media path is gone (the session, its engine slot and context stay): stop sending, and
+        cancel what was being said, since nobody heard it."""
+        if self.closed or self.suspended:
+            return
+        self.suspended = True
+        self._send = None
+        if self.active_response is not None:
+            self.interrupt("connection_lost")
+
+    def rebind_sink(self, sink: AudioSink) -> None:
+        """A new transport plays the audio from now on, starting at the current epoch."""
+        sink.cut(self.epoch)
+        self.sink = sink
+        self._resync_uplink = True
+
+    def resume_channel(self, send: Callable[[str], None], buffered: Callable[[], int], last_seq: int) -> None:
+        """Attach a resumed client's channel: replay what it missed from the journal, then say so."""
+        self.suspended = False
+        self._send, self._buffered = send, buffered
+        self._outbox.clear()  # the journal holds all of it
+        first = self._journal[0][0] if self._journal else last_seq + 1
+        lost = max(0, first - last_seq - 1)
+        replay = [text for seq, text in self._journal if seq > last_seq]
+        for text in replay:
+            self._transmit(text)
+        self.emit("session.resumed", session=self.describe(), replayed=len(replay), lost=lost)
+
     def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
         if self.closed:
             return
         now = self.clock() if now is None else now
+        self._resync(now)
         self.last_audio_at = now
         self.counters.input_samples += len(samples)
         self._forward_windows(self.window_clock.write(samples, now))
@@ -236,16 +308,33 @@ class DuplexSession:
         if self.closed:
             return
         now = self.clock() if now is None else now
+        self._resync(now)
         self.last_audio_at = now
         self._forward_windows(self.window_clock.gap(n, now, fill))
 
-    def push_dtmf(self, digit: str) -> None:
-        """A keypad digit from the caller: reported, and it interrupts the agent like a barge-in."""
+    def push_dtmf(self, digit: str, source: str | None = None) -> None:
+        """A keypad digit from the caller: reported, it interrupts the agent like a barge-in, and the
+        engine hears it too (the echo engine ends the caller's turn on ``#``).
+
+        ``source``: how it arrived (``rfc4733`` telephone-event, ``sip_info``, a carrier's frame).
+        """
+        if len(digit) != 1 or digit.upper() not in DTMF_DIGITS:
+            raise ValueError(f"not a DTMF key: {digit!r}")
         if self.closed:
             return
-        self.emit("input_audio_buffer.dtmf_event_received", epoch=self.epoch, event=digit, received_at=time.time())
+        self.counters.dtmf_digits += 1
+        fields: dict[str, Any] = {"epoch": self.epoch, "event": digit, "received_at": time.time()}
+        if source is not None:
+            fields["source"] = source
+        self.emit("input_audio_buffer.dtmf_event_received", **fields)
         if self.active_response is not None:
             self.interrupt("dtmf")
+        self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit.upper()))
+
+    def _resync(self, now: float) -> None:
+        if self._resync_uplink:
+            self._resync_uplink = False
+            self._forward_windows(self.window_clock.resync(now))
 
     def poll_clock(self, now: float | None = None) -> None:
         self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))
@@ -281,7 +370,8 @@ class DuplexSession:
                 listener(event)
             except Exception:  # one broken consumer must not starve the others
                 log.exception("session %s: event listener failed on %s", self.id, event_type)
-        text = json.dumps(event, separators=(",", ":"))
+        text = strict_json_dumps(event)
+        self._journal.append((event["seq"], text))
         if self._send is None:
             self._outbox.append(text)
             while len(self._outbox) > self.settings.event_buffer:
@@ -309,7 +399,7 @@ class DuplexSession:
     # --- client messages ---------------------------------------------------------------------------
 
     def handle_message(self, raw: str | bytes) -> None:
-        if not self.admit_message():
+        if self.closed or not self.admit_message():
             return
         try:
             event = parse_client_event(raw)
@@ -320,6 +410,14 @@ class DuplexSession:
             log.exception("session %s: failed to handle a client message", self.id)
             self._error(ProtocolError("internal_error", "the server failed to handle this message",
                                       error_type="server_error"))
+
+    def reject_oversize(self, size: int) -> None:
+        """The transport dropped a message while it arrived, at ``size`` bytes, for being too large."""
+        if self.closed:
+            return
+        self.counters.messages_in += 1
+        self._error(ProtocolError("message_too_large",
+                                  f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
 
     def admit_message(self) -> bool:
         """Count a client message, of any dialect, against the session's token bucket, so a
@@ -393,7 +491,8 @@ class DuplexSession:
         self.emit("input_audio_buffer.committed", epoch=self.epoch)
 
     def request_close(self, reason: str) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(self.close(reason)))
+        if self._close_task is None:  # one teardown, however many times the client asks
+            self._begin_close(reason)
 
     def update(self, fields: dict[str, Any], event_id: str | None = None) -> InstructionsEffect:
         """Apply validated option changes (keys of the ``session_config`` schema) and answer with

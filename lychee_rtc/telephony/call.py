@@ -66,7 +66,9 @@ class CarrierCall:
     uplink: CarrierUplink
     outbox: Outbox
     settings: TelephonySettings
-    tasks: list[asyncio.Task] = field(default_factory=list)  # the manager's (watchdog)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    watchdog: asyncio.Task | None = None  # the manager's
+    token: str | None = None  # carriers get no session token; the server key opens the call's resources
     connected_at: float | None = field(default_factory=time.monotonic)
     folded: dict[str, int] = field(default_factory=dict)
     counters: CallCounters = field(default_factory=CallCounters)
@@ -108,7 +110,7 @@ class CarrierCall:
                 self.playout.on_mark(event.name)
             elif isinstance(event, DigitPressed):
                 self.counters.digits += 1
-                self.session.push_dtmf(event.digit)
+                self.session.push_dtmf(event.digit, "carrier")
             elif isinstance(event, StreamStopped):
                 return "hangup"
             elif isinstance(event, PlaybackCleared):
@@ -145,6 +147,8 @@ class CarrierCall:
         code = CLOSE_CODES.get(reason, CLOSE_NORMAL)
         for task in self._own_tasks[1:]:
             task.cancel()
+        self.playout.playout.close()
+        self.uplink.close()
         self.outbox.close(code, reason)
         if self.companion is not None:
             self.companion.close(CLOSE_NORMAL, f"call ended: {reason}")

@@ -28,6 +28,10 @@ class CarrierUplink:
         self._first_ms: float | None = None
         self._stream_s = 0.0  # where the next chunk starts when the carrier gives no timestamps
 
+    def close(self) -> None:
+        """The call has ended: free the resampler now, not when the collector runs."""
+        self._resampler.close()
+
     def push(self, payload: bytes, timestamp_ms: float | None) -> None:
         """One chunk from the carrier (raises FrameError if it cannot be decoded)."""
         samples = self.audio.decode(payload)

@@ -11,7 +11,6 @@ all bounded. What maps to what is written down in signaling/events.schema.json (
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import secrets
 from collections import OrderedDict
@@ -26,7 +25,7 @@ from lychee_rtc.server.openai.session_config import (
     render_live_session,
     wall_clock_of,
 )
-from lychee_rtc.session.protocol import ProtocolError, check_event, decode_event, load_schema
+from lychee_rtc.session.protocol import ProtocolError, check_event, decode_event, load_schema, strict_json_dumps
 from lychee_rtc.session.session import CHANNEL_HARD_LIMIT, DuplexSession
 
 log = logging.getLogger(__name__)
@@ -96,7 +95,7 @@ class RealtimeTranslator:
             return
         event = {"type": event_type, "event_id": f"event_{self._prefix}{next(self._ids)}", **fields}
         try:
-            self._send(json.dumps(event, separators=(",", ":")))
+            self._send(strict_json_dumps(event))
         except Exception:  # the channel closed under us; its close path detaches this translator
             self.events_dropped += 1
 

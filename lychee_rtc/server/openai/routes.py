@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ from aiohttp import WSMsgType, web
 
 from lychee_rtc.config import Settings
 from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.server import auth
 from lychee_rtc.server.openai.client_secrets import (
     DEFAULT_TTL_S,
     ClientSecret,
@@ -39,7 +39,13 @@ from lychee_rtc.server.openai.session_config import (
     session_options,
 )
 from lychee_rtc.server.sessions import ServerFull, SessionManager
-from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
+from lychee_rtc.session.protocol import (
+    MAX_MESSAGE_BYTES,
+    JsonError,
+    ProtocolError,
+    strict_json_dumps,
+    strict_json_loads,
+)
 
 CALLS_PATH = "/v1/realtime/calls"
 MAX_SESSION_PART_BYTES = 64 * 1024
@@ -78,19 +84,7 @@ def error(status: int, code: str, message: str, error_type: str = "invalid_reque
           param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     """OpenAI's error body: ``{"error": {"type", "code", "message", "param"}}``."""
     return web.json_response({"error": {"type": error_type, "code": code, "message": message, "param": param}},
-                             status=status, headers=headers)
-
-
-def bearer(request: web.Request) -> str | None:
-    value = request.headers.get("Authorization", "")
-    return value[len("Bearer "):].strip() if value.startswith("Bearer ") else None
-
-
-def presents_client_secret(request: web.Request) -> bool:
-    """A call offer authorised by an ephemeral key: the route, not the server-key check, judges it."""
-    token = bearer(request)
-    return (request.method == "POST" and request.path == CALLS_PATH and token is not None
-            and is_client_secret(token))
+                             status=status, headers=headers, dumps=strict_json_dumps)
 
 
 def _needs_server_key(surface: RealtimeSurface) -> web.Response | None:
@@ -147,8 +141,8 @@ async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str
         elif part.name == "session":
             raw = _text(await _read_limited(part.read_chunk, MAX_SESSION_PART_BYTES, "part 'session'"), "part 'session'")
             try:
-                session = json.loads(raw)
-            except (json.JSONDecodeError, RecursionError) as exc:
+                session = strict_json_loads(raw)
+            except JsonError as exc:
                 raise BodyError(400, "invalid_session", f"part 'session' is not valid JSON: {exc}") from None
             if not isinstance(session, dict):
                 raise BodyError(400, "invalid_session", "part 'session' must be a JSON object")
@@ -161,15 +155,19 @@ async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str
     return sdp, session
 
 
+@auth.policy(auth.Policy.CLIENT_SECRET)
 async def create_call(request: web.Request) -> web.Response:
     surface = request.app[REALTIME_KEY]
     secret: ClientSecret | None = None
-    token = bearer(request)
+    token = auth.bearer(request)
     if token is not None and is_client_secret(token):
         secret = surface.secrets.lookup(token)
         if secret is None:
             return error(401, "invalid_client_secret", "the client secret is unknown or has expired",
                          headers={"WWW-Authenticate": "Bearer"})
+    elif not auth.has_server_key(request, surface.settings.server.auth_token):
+        return error(401, "unauthorized", "missing or wrong bearer token: the server key or an ek_ client secret "
+                     "is required", headers={"WWW-Authenticate": "Bearer"})
     try:
         sdp, session_part = await _read_offer(request, surface.settings.server.max_sdp_bytes)
     except BodyError as exc:
@@ -207,11 +205,12 @@ async def create_client_secret(request: web.Request) -> web.Response:
     if (refused := _needs_server_key(surface)) is not None:
         return refused
     try:
-        body = json.loads(_text(await _read_limited(lambda: request.content.read(8192), MAX_SESSION_PART_BYTES,
-                                                    "the request body"), "the request body") or "{}")
+        body = strict_json_loads(_text(await _read_limited(lambda: request.content.read(8192),
+                                                           MAX_SESSION_PART_BYTES, "the request body"),
+                                       "the request body") or "{}")
     except BodyError as exc:
         return error(exc.status, exc.code, exc.message)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except JsonError as exc:
         return error(400, "invalid_json", f"request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return error(400, "invalid_request", "request body must be a JSON object")
@@ -244,7 +243,8 @@ async def create_client_secret(request: web.Request) -> web.Response:
     options = session_options(request_cfg)
     effective = render_session(surface.profile, session_id=None, instructions=options.instructions,
                                voice=options.voice, expires_at=None)
-    return web.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective})
+    return web.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective},
+                             dumps=strict_json_dumps)
 
 
 # --- sideband ---------------------------------------------------------------------------------------

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from lychee_rtc.session.protocol import JsonError, strict_json_loads
 from lychee_rtc.telephony.frames import (
     CLOSE_UNSUPPORTED_DATA,
     DTMF_DIGITS,
@@ -74,9 +74,14 @@ def load_json(raw: str | bytes, carrier: str) -> dict[str, Any]:
         raise FrameError(f"{carrier} sends JSON text frames; got a binary frame of {len(raw)} bytes")
     if len(raw) > MAX_FRAME_BYTES:
         raise FrameError(f"frame of {len(raw)} characters exceeds {MAX_FRAME_BYTES}")
+    return json_object(raw)
+
+
+def json_object(raw: str) -> dict[str, Any]:
+    """A frame's JSON object; strict: NaN, Infinity and overflowing numbers are refused too."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        data = strict_json_loads(raw)
+    except JsonError as exc:
         raise FrameError(f"frame is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise FrameError("frame must be a JSON object")

@@ -1,0 +1,344 @@
+"""Phone calls through a Janus media gateway: the server as a SIP user agent behind Janus's SIP plugin.
+
+The connector is a client of the server, not a server of its own: it registers the configured SIP
+identity through Janus, and each incoming call becomes a normal session, created through the same
+session manager (and capacity) as an HTTP offer, with Janus's WebRTC offer. Janus relays the
+caller's G.711 RTP to that session's WebRTC leg without transcoding.
+
+Janus's SIP plugin takes one call per plugin handle, so the connector keeps a master handle (the
+registration) and helper handles, one "line" each. A call that finds no free session is refused
+with 486 Busy Here, never answered into silence. When Janus goes away, every call it carried ends
+and the connector reconnects, re-attaches and registers again; while connected it refreshes the
+registration at half its lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from lychee_rtc.config import JanusGatewaySettings
+from lychee_rtc.engine.base import DTMF_DIGITS
+from lychee_rtc.gateway.janus_api import JanusApi, JanusError
+from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.server.sessions import ServerFull, SessionManager
+
+log = logging.getLogger(__name__)
+
+PLUGIN = "janus.plugin.sip"
+BUSY = 486
+NOT_ACCEPTABLE = 488
+RECONNECT_MIN_S = 0.2
+
+
+def dtmf_from_info(content_type: str, content: str) -> str | None:
+    """The key in a SIP INFO body (``application/dtmf-relay`` ``Signal=5`` or ``application/dtmf`` ``5``)."""
+    kind = content_type.split(";")[0].strip().lower()
+    value: str | None = None
+    if kind == "application/dtmf-relay":
+        for line in content.splitlines():
+            name, _, rest = line.partition("=")
+            if name.strip().lower() == "signal":
+                value = rest.strip()
+                break
+    elif kind == "application/dtmf":
+        value = content.strip()
+    if value is None:
+        return None
+    if value.isdigit() and 10 <= int(value) <= 15:  # some phones send the RFC 4733 number
+        value = DTMF_DIGITS[int(value)]
+    value = value.upper()
+    return value if len(value) == 1 and value in DTMF_DIGITS else None
+
+
+@dataclass
+class Line:
+    """One Janus SIP plugin handle: at most one call at a time."""
+
+    handle_id: int
+    helper: bool
+    session_id: str | None = None  # the session answering the current call
+    sip_call_id: str | None = None
+    answering: bool = False
+    caller_hung_up: bool = False
+    registered: asyncio.Future | None = None
+
+
+@dataclass
+class GatewayCounters:
+    connects: int = 0
+    registrations: int = 0
+    registration_failures: int = 0
+    calls: int = 0
+    answered: int = 0
+    busy: int = 0
+    rejected: int = 0
+    missed: int = 0
+    caller_hangups: int = 0
+    server_hangups: int = 0
+    dtmf_info: int = 0
+
+
+@dataclass
+class JanusSipGateway:
+    settings: JanusGatewaySettings
+    manager: SessionManager
+    counters: GatewayCounters = field(default_factory=GatewayCounters)
+    registered: bool = False
+    _api: JanusApi | None = None
+    _lines: dict[int, Line] = field(default_factory=dict)
+    _task: asyncio.Task | None = None
+    _call_tasks: set[asyncio.Task] = field(default_factory=set)
+    _stopping: bool = False
+
+    # --- lifetime ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="janus-sip-gateway")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for line in list(self._lines.values()):
+            if line.session_id is not None:
+                await self.manager.close(line.session_id, "server_shutdown")  # hangs the call up
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for task in list(self._call_tasks):
+            task.cancel()
+
+    @property
+    def lines(self) -> int:
+        return self.settings.lines or self.manager.capacity + 1
+
+    def status(self) -> dict[str, Any]:
+        busy = sum(1 for line in self._lines.values() if line.session_id or line.answering)
+        return {"registered": self.registered, "lines": len(self._lines), "busy_lines": busy,
+                "counters": vars(self.counters).copy()}
+
+    async def _run(self) -> None:
+        delay = RECONNECT_MIN_S
+        while not self._stopping:
+            api = JanusApi(self.settings.url, self.settings.api_secret, self.settings.request_timeout_s,
+                           self._on_event)
+            try:
+                await api.open()
+                self._api = api
+                self.counters.connects += 1
+                await self._set_up_lines(api)
+                delay = RECONNECT_MIN_S
+                await self._serve(api)
+            except asyncio.CancelledError:
+                await self._lost(api, "server_shutdown")
+                raise
+            except (OSError, ConnectionError, asyncio.TimeoutError, JanusError, KeyError, ValueError) as exc:
+                log.warning("SIP gateway: Janus at %s: %s", self.settings.url, exc or type(exc).__name__)
+            await self._lost(api, "gateway_lost")
+            if self._stopping:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.settings.reconnect_max_s)
+
+    async def _lost(self, api: JanusApi, reason: str) -> None:
+        """Janus is gone (or we are leaving): its calls are gone with it."""
+        self.registered = False
+        self._api = None
+        lines, self._lines = self._lines, {}
+        for line in lines.values():
+            if line.session_id is not None:
+                line.caller_hung_up = True  # nobody left to send a hangup to
+                await self.manager.close(line.session_id, reason)
+        await api.close()
+
+    async def _set_up_lines(self, api: JanusApi) -> None:
+        master = Line(await api.attach(PLUGIN), helper=False)
+        self._lines[master.handle_id] = master
+        result = await self._register(api, master, {})
+        master_id = result.get("master_id")
+        if master_id is None:
+            raise ValueError("Janus's registered event carried no master_id")
+        for _ in range(self.lines - 1):
+            helper = Line(await api.attach(PLUGIN), helper=True)
+            self._lines[helper.handle_id] = helper
+            await self._register(api, helper, {"type": "helper", "master_id": master_id})
+        self.registered = True
+        log.info("SIP gateway: %s registered at %s through Janus, %d lines", self.settings.sip_uri,
+                 self.settings.registrar, len(self._lines))
+
+    async def _register(self, api: JanusApi, line: Line, extra: dict[str, Any], refresh: bool = False) -> dict:
+        s = self.settings
+        body: dict[str, Any] = {"request": "register", "username": s.sip_uri, **extra}
+        if not line.helper:
+            body.update(secret=s.secret, proxy=s.registrar, register_ttl=s.register_ttl_s)
+            if s.display_name:
+                body["display_name"] = s.display_name
+            if refresh:
+                body["refresh"] = True
+        line.registered = asyncio.get_running_loop().create_future()
+        await api.message(line.handle_id, body)
+        try:
+            result = await asyncio.wait_for(line.registered, s.request_timeout_s)
+        finally:
+            line.registered = None
+        self.counters.registrations += 1
+        return result
+
+    async def _serve(self, api: JanusApi) -> None:
+        """Refresh the registration at half its lifetime until the connection to Janus ends."""
+        master = next(line for line in self._lines.values() if not line.helper)
+        closed = asyncio.create_task(api.closed.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({closed}, timeout=self.settings.register_ttl_s / 2)
+                if done:
+                    return
+                try:
+                    await self._register(api, master, {}, refresh=True)
+                    self.registered = True
+                except (JanusError, asyncio.TimeoutError) as exc:
+                    self.registered = False
+                    log.warning("SIP gateway: re-registration failed: %s", exc)
+        finally:
+            closed.cancel()
+
+    # --- Janus events ------------------------------------------------------------------------------
+
+    def _on_event(self, message: dict[str, Any]) -> None:
+        log.debug("Janus event: %.300s", message)
+        line = self._lines.get(message.get("sender", -1))
+        if line is None:
+            return
+        kind = message.get("janus")
+        if kind == "hangup":  # the WebRTC leg went down (ICE/DTLS failure, or after a SIP hangup)
+            self._caller_gone(line, f"gateway_{message.get('reason', 'hangup')}".replace(" ", "_").lower()[:40])
+            return
+        if kind != "event":
+            return
+        data = message.get("plugindata", {}).get("data", {})
+        result = data.get("result") or {}
+        event = result.get("event")
+        if "error_code" in data:
+            error = JanusError(int(data["error_code"]), str(data.get("error", "")))
+            if line.registered is not None and not line.registered.done():
+                line.registered.set_exception(error)
+            else:
+                log.warning("SIP gateway: Janus line %d: %s", line.handle_id, error)
+            return
+        if event == "registered":
+            if line.registered is not None and not line.registered.done():
+                line.registered.set_result(result)
+        elif event == "registration_failed":
+            self.counters.registration_failures += 1
+            self.registered = False
+            error = JanusError(int(result.get("code", 0)), str(result.get("reason", "registration failed")))
+            if line.registered is not None and not line.registered.done():
+                line.registered.set_exception(error)
+            else:
+                log.warning("SIP gateway: %s", error)
+        elif event == "incomingcall":
+            self._spawn(self._answer(line, data, result, message.get("jsep")))
+        elif event == "missed_call":
+            self.counters.missed += 1
+            log.warning("SIP gateway: call from %s missed: every line was busy", result.get("caller"))
+        elif event == "hangup":
+            self._caller_gone(line, "caller_hangup")
+        elif event == "info":
+            digit = dtmf_from_info(str(result.get("type", "")), str(result.get("content", "")))
+            call = self.manager.calls.get(line.session_id or "")
+            if digit is not None and call is not None:
+                self.counters.dtmf_info += 1
+                call.session.push_dtmf(digit, "sip_info")
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._call_tasks.add(task)
+        task.add_done_callback(self._call_tasks.discard)
+
+    def _caller_gone(self, line: Line, reason: str) -> None:
+        if line.session_id is None:
+            if line.answering:
+                line.caller_hung_up = True  # the answer in progress sees it and gives up
+            return
+        if line.caller_hung_up:  # Janus reports the SIP hangup and then the WebRTC leg going down
+            return
+        call = self.manager.calls.get(line.session_id)
+        if call is None or call.session.closed:
+            return  # the server is ending this session (its leg going down is ours): it hangs up itself
+        line.caller_hung_up = True
+        self.counters.caller_hangups += 1
+        self._spawn(self.manager.close(line.session_id, reason))
+
+    # --- calls -------------------------------------------------------------------------------------
+
+    async def _answer(self, line: Line, data: dict, result: dict, jsep: dict | None) -> None:
+        api = self._api
+        if api is None:
+            return
+        self.counters.calls += 1
+        line.answering, line.caller_hung_up = True, False
+        line.sip_call_id = data.get("call_id") or result.get("call_id")
+        origin = {
+            "kind": "sip",
+            "gateway": "janus",
+            "caller": str(result.get("username", "")),
+            "caller_name": result.get("displayname"),
+            "callee": str(result.get("callee", "")),
+            "sip_call_id": str(line.sip_call_id or ""),
+        }
+        try:
+            if not jsep or jsep.get("type") != "offer" or not isinstance(jsep.get("sdp"), str):
+                # An offerless INVITE would need us to make the offer: not supported.
+                self.counters.rejected += 1
+                await self._decline(api, line, NOT_ACCEPTABLE)
+                return
+            try:
+                call = await self.manager.create(jsep["sdp"], origin=origin)
+            except ServerFull:
+                self.counters.busy += 1
+                log.info("SIP gateway: call %s from %s refused: no free session", line.sip_call_id, origin["caller"])
+                await self._decline(api, line, BUSY)
+                return
+            except SdpError as exc:
+                self.counters.rejected += 1
+                log.warning("SIP gateway: call %s refused: %s", line.sip_call_id, exc)
+                await self._decline(api, line, NOT_ACCEPTABLE)
+                return
+            line.session_id = call.session.id
+            call.on_closed.append(lambda reason, line=line, sid=call.session.id: self._session_ended(line, sid, reason))
+            if line.caller_hung_up:  # the caller gave up while the session was being created
+                await self.manager.close(call.session.id, "caller_hangup")
+                return
+            await api.message(line.handle_id, {"request": "accept"},
+                              {"type": "answer", "sdp": call.pc.localDescription.sdp, "trickle": False})
+            self.counters.answered += 1
+            log.info("SIP gateway: call %s from %s answered by session %s", line.sip_call_id, origin["caller"],
+                     call.session.id)
+        except (JanusError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.warning("SIP gateway: call %s: %s", line.sip_call_id, exc)
+            if line.session_id is not None:
+                line.caller_hung_up = True
+                await self.manager.close(line.session_id, "gateway_error")
+        finally:
+            line.answering = False
+
+    async def _decline(self, api: JanusApi, line: Line, code: int) -> None:
+        await api.message(line.handle_id, {"request": "decline", "code": code})
+
+    async def _session_ended(self, line: Line, session_id: str, reason: str) -> None:
+        """The session is over (caller hung up, timeout, DELETE, shutdown): end the call too."""
+        if line.session_id != session_id:
+            return
+        line.session_id = None
+        api = self._api
+        if line.caller_hung_up or api is None or self._lines.get(line.handle_id) is not line:
+            return
+        self.counters.server_hangups += 1
+        try:
+            await api.message(line.handle_id, {"request": "hangup"})
+        except (JanusError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.warning("SIP gateway: hanging up call %s: %s", line.sip_call_id, exc)

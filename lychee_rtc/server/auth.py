@@ -1,0 +1,87 @@
+"""Who may do what over HTTP: the server key and per-session resource tokens.
+
+* The server key (``server.auth_token``), when configured, is needed to create sessions and for
+  the admin views (the session list); it also opens every session's resource.
+* Each session has its own secret, returned with its answer (``session_token``, and for WHIP the
+  resource URL itself). It is needed for that session's follow-ups - GET/DELETE
+  ``/v1/sessions/{id}``, PATCH/DELETE on the WHIP resource, a resume - whether or not a server key
+  is configured, and it opens nothing else.
+
+Secrets are compared in constant time. A route's policy is declared on its handler with one of the
+decorators below; an undecorated ``/v1/`` or ``/whip`` route needs the server key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from enum import Enum
+from typing import Awaitable, Callable, TypeVar
+
+from aiohttp import web
+
+SESSION_TOKEN_PREFIX = "stok_"
+WHIP_RESOURCE_PREFIX = "whip_"
+
+
+class Policy(str, Enum):
+    SERVER_KEY = "server_key"  # the server key, when one is configured
+    SESSION = "session"  # the session's own token, or the server key (checked by the handler)
+    CLIENT_SECRET = "client_secret"  # the server key or an ephemeral ek_ key (checked by the handler)
+    OPEN = "open"  # nobody needs a key
+
+
+H = TypeVar("H", bound=Callable[[web.Request], Awaitable[web.StreamResponse]])
+
+
+def policy(kind: Policy) -> Callable[[H], H]:
+    def mark(handler: H) -> H:
+        handler.auth_policy = kind  # type: ignore[attr-defined]
+        return handler
+    return mark
+
+
+def policy_of(request: web.Request) -> Policy:
+    handler = request.match_info.handler
+    declared = getattr(handler, "auth_policy", None)
+    if declared is not None:
+        return declared
+    return Policy.SERVER_KEY if request.path.startswith(("/v1/", "/whip")) else Policy.OPEN
+
+
+def new_session_token() -> str:
+    return SESSION_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_whip_resource(prefix: str = "") -> str:
+    """``prefix``: the worker id part a cluster entry routes by (``w3-``), as in session ids."""
+    return WHIP_RESOURCE_PREFIX + prefix + secrets.token_urlsafe(24)
+
+
+def secret_matches(presented: str | None, expected: str | None) -> bool:
+    """Constant-time comparison; a missing secret never matches."""
+    if not presented or not expected:
+        return False
+    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
+
+
+def bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def has_server_key(request: web.Request, server_key: str | None) -> bool:
+    """True when no server key is configured, or the request presents it."""
+    return server_key is None or secret_matches(bearer(request), server_key)
+
+
+def is_admin(request: web.Request, server_key: str | None) -> bool:
+    """Only a configured server key, presented, makes an admin (never the open mode)."""
+    return server_key is not None and secret_matches(bearer(request), server_key)
+
+
+def may_use_session(request: web.Request, session_token: str, server_key: str | None) -> bool:
+    return secret_matches(bearer(request), session_token) or is_admin(request, server_key)
