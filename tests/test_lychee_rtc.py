@@ -58,3 +58,53 @@ async def test_lychee_tiny_serves_a_webrtc_session(tiny_root):
                 validate_server_event(ev)
         finally:
             await client.close()
+
+
+async def test_lychee_tiny_takes_the_agents_instructions_over_the_ga_dialect(tiny_root):
+    from test_openai_realtime import assert_ga_events_valid, open_call
+
+    from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
+
+    lychee = {"model_root": tiny_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
+              "progress": False, "seed": 1, "token2wav": None}
+    async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
+                              engine={"lychee": lychee}) as (url, app):
+        client, call_id = await open_call(url, {})
+        try:
+            created = await client.wait_event("session.created", timeout=20)
+            assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "semantic_vad"
+            rng = np.random.default_rng(0)
+            client.mic.feed((0.05 * rng.standard_normal(RATE * 30)).astype(np.float32))
+            # The agent's set-up arrives on channel open, before the model has spoken: its
+            # instructions become the system prompt of a fresh conversation.
+            client.send({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
+            updated = await client.wait_event("session.updated", timeout=20)
+            assert updated["lychee_rtc"]["instructions"] == "applied"
+            session = app[MANAGER_KEY].calls[call_id].session
+            backend = app[ENGINE_KEY].backend
+            slot = backend.runner.slots[session.slot.index]
+            for _ in range(100):  # the restart runs on the engine thread
+                if slot.instructions == "Be brief.":
+                    break
+                await asyncio.sleep(0.1)
+            assert backend.tokenizer.decode(slot.prefix_ids) == "<|BOT|>system\nBe brief.<|EOT|>"
+
+            client.send({"type": "response.create"})  # "answer now"
+            created = await client.wait_event("response.created", timeout=30)
+            rid = created["response"]["id"]
+            delta = await client.wait_event("response.output_audio_transcript.delta", timeout=20)
+            assert delta["response_id"] == rid and delta["item_id"].startswith("item_")
+            # Mid-conversation the model keeps its context: the change waits for its next reset.
+            n = len(client.events)
+            client.send({"type": "session.update", "session": {"instructions": "Be very brief."}})
+            later = await client.wait_event("session.updated", timeout=20, after=n)
+            assert later["lychee_rtc"]["instructions"] == "next_context_reset"
+            client.send({"type": "response.cancel"})
+            done = await client.wait_event("response.done", timeout=20)
+            assert done["response"]["status"] == "cancelled"
+            transcript = await client.wait_event("response.output_audio_transcript.done", timeout=5)
+            deltas = "".join(e["delta"] for e in client.events_of("response.output_audio_transcript.delta"))
+            assert transcript["transcript"] == deltas == done["response"]["output"][0]["content"][0]["transcript"]
+            assert_ga_events_valid(client.events)
+        finally:
+            await client.close()

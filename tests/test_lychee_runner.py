@@ -258,3 +258,30 @@ def test_session_instructions_become_the_system_prefix(model, tok):
         nt = s.text[q + 1]
         if nt not in (r.tok.text_pad, r.tok.tts_pad):
             assert out.text_logits[p + q].argmax().item() == nt, q
+
+
+def test_restart_prefills_new_instructions_and_update_waits_for_the_next_reset(model, tok):
+    wins = windows(3, 7)
+    # Reference: a slot opened with the instructions from the start.
+    ref = LycheeRunner(model, tok, 1, RunnerSettings(max_seq=512, **GREEDY))
+    ref.open(0, SessionOptions(instructions="Speak like a pirate."))
+    run(ref, {0: wins})
+    # The agent's set-up arrives after the call opened and one window was heard: RESTART makes the
+    # slot exactly what it would have been with those instructions from the start.
+    r = LycheeRunner(model, tok, 1, RunnerSettings(max_seq=512, **GREEDY))
+    r.open(0, SessionOptions())
+    run(r, {0: windows(1, 8)})
+    assert r.slots[0].window == 1
+    r.apply_controls(0, [Control(ControlKind.CANCEL, 1),
+                         Control(ControlKind.RESTART, 1, SessionOptions(instructions="Speak like a pirate."))])
+    s = r.slots[0]
+    assert s.window == 0 and s.prefix_ids == ref.slots[0].prefix_ids
+    run(r, {0: wins})
+    assert (s.text, s.stoken, s.control) == (ref.slots[0].text, ref.slots[0].stoken, ref.slots[0].control)
+    # Mid-conversation, UPDATE keeps the context and holds the new prefix for the next reset.
+    before = list(s.text)
+    r.apply_controls(0, [Control(ControlKind.UPDATE, 1, SessionOptions(instructions="Be brief."))])
+    assert s.text == before and s.prefix_ids == ref.slots[0].prefix_ids
+    assert tok.decode(s.pending_prefix_ids) == "<|BOT|>system\nBe brief.<|EOT|>"
+    r._start_context(s)  # what the context policy does when the context is nearly full
+    assert tok.decode(s.prefix_ids) == "<|BOT|>system\nBe brief.<|EOT|>" and s.pending_prefix_ids is None

@@ -177,6 +177,23 @@ class RtcClient:
 
     async def connect(self, session: dict[str, Any] | None = None, resume: dict[str, Any] | None = None) -> None:
         """Offer and apply the answer; ``resume`` ({session_id, session_token, last_seq}) re-attaches a session."""
+        body: dict[str, Any] = {"sdp": await self.make_offer(), "type": "offer"}
+        if session is not None:
+            body["session"] = session
+        if resume is not None:
+            body["resume"] = resume
+        async with aiohttp.ClientSession() as http:
+            headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
+            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body, headers=headers) as resp:
+                data = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"offer refused: {resp.status} {data}")
+        self.session_id = data["session_id"]
+        self.session_token = data.get("session_token")
+        await self.accept_answer(data["sdp"])
+
+    async def make_offer(self) -> str:
+        """Set up the tracks and the data channel; the offer SDP (with gathered candidates)."""
         transceiver = self.pc.addTransceiver(self.mic, direction="sendrecv")
         if self.codec is not None:
             from aiortc import RTCRtpSender
@@ -197,21 +214,12 @@ class RtcClient:
             self._tasks.append(asyncio.create_task(self._record(track)))
 
         await self.pc.setLocalDescription(await self.pc.createOffer())
-        body: dict[str, Any] = {"sdp": self.pc.localDescription.sdp, "type": "offer"}
-        if session is not None:
-            body["session"] = session
-        if resume is not None:
-            body["resume"] = resume
-        async with aiohttp.ClientSession() as http:
-            headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
-            async with http.post(f"{self.base_url}/v1/rtc/offer", json=body, headers=headers) as resp:
-                data = await resp.json()
-                if resp.status != 200:
-                    raise RuntimeError(f"offer refused: {resp.status} {data}")
-        self.session_id = data["session_id"]
-        self.session_token = data.get("session_token")
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=data["sdp"], type="answer"))
-        await asyncio.wait_for(self._channel_open.wait(), 60)
+        return self.pc.localDescription.sdp
+
+    async def accept_answer(self, answer_sdp: str, timeout: float = 60.0) -> None:
+        """Apply the answer and wait until the data channel is open."""
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
+        await asyncio.wait_for(self._channel_open.wait(), timeout)
 
     async def _record(self, track) -> None:
         resampler = FrameResampler("flt", "mono", RATE)

@@ -36,6 +36,9 @@ class EngineCapabilities:
     text_output: bool = False
     audio_output: Literal["pcm", "codes", "none"] = "pcm"
     voices: tuple[str, ...] = ()
+    # The model takes a system prompt (``SessionOptions.instructions``). A change before the model
+    # first speaks restarts its context with the new prompt; later, it waits for the next reset.
+    instructions: bool = False
     # Output mirrors input frame by frame (loopback): the playout may trim standing delay and shift
     # its pacing phase, because there is no speech to protect, only latency to minimise.
     live_passthrough: bool = False
@@ -60,7 +63,8 @@ class ControlKind(str, enum.Enum):
     FORCE_LISTEN = "force_listen"  # hold the model in listening until RELEASE_LISTEN
     RELEASE_LISTEN = "release_listen"
     COMMIT = "commit"  # the user has finished speaking: answer now
-    UPDATE = "update"  # new SessionOptions
+    UPDATE = "update"  # new SessionOptions (new instructions wait for the next context reset)
+    RESTART = "restart"  # a fresh conversation now, prefilled from ``options`` (before the model spoke)
     DTMF = "dtmf"  # the caller pressed a key (``digit``); engines may use it or ignore it
 
 

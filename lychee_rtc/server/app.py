@@ -20,6 +20,7 @@ from lychee_rtc.server import auth
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.metrics import ServerMetrics
+from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.sessions import Call, ResumeRefused, RtcCall, ServerFull, SessionManager
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
 from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads, validator
@@ -35,7 +36,8 @@ GATEWAY_KEY = web.AppKey("gateway", object)  # the SIP gateway connector, when c
 WHIP_PATCH_TYPE = "application/trickle-ice-sdpfrag"
 CORS_EXPOSE = "Location, ETag, Link, Accept-Patch, Accept-Post, Retry-After"
 CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
-CORS_HEADERS = "Authorization, Content-Type, If-Match"
+# X-OpenAI-Agents-SDK: the OpenAI browser SDK names itself on every call offer.
+CORS_HEADERS = "Authorization, Content-Type, If-Match, X-OpenAI-Agents-SDK"
 
 
 def _json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -362,6 +364,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_post("/whip", whip_post)
     app.router.add_patch("/whip/{resource_id}", whip_patch)
     app.router.add_delete("/whip/{resource_id}", whip_delete)
+    realtime.install(app, settings, app[MANAGER_KEY])
     if settings.telephony.enabled:
         add_telephony_routes(app, settings, app[MANAGER_KEY])
     app.router.add_get("/healthz", healthz)

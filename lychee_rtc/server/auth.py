@@ -28,6 +28,7 @@ WHIP_RESOURCE_PREFIX = "whip_"
 class Policy(str, Enum):
     SERVER_KEY = "server_key"  # the server key, when one is configured
     SESSION = "session"  # the session's own token, or the server key (checked by the handler)
+    CLIENT_SECRET = "client_secret"  # the server key or an ephemeral ek_ key (checked by the handler)
     OPEN = "open"  # nobody needs a key
 
 

@@ -37,13 +37,15 @@ from lychee_rtc.media.sctp_guard import SctpGuard, undelivered_chunks
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.server.auth import new_session_token, new_whip_resource, secret_matches
 from lychee_rtc.server.metrics import ServerMetrics
+from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, RealtimeTranslator
+from lychee_rtc.server.openai.session_config import RealtimeProfile
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.session.session import DuplexSession
 from lychee_rtc.session.sink import AudioSink
 
 log = logging.getLogger(__name__)
 
-EVENT_CHANNEL_LABELS = ("events", "oai-events")
+EVENT_CHANNEL_LABEL = "events"  # this server's own events; "oai-events" speaks OpenAI's GA dialect
 CODEC_MIME = {"opus": "audio/opus", "PCMU": "audio/PCMU", "PCMA": "audio/PCMA"}
 WATCHDOG_PERIOD_S = 0.25
 # How long a closing call waits for its last events to be handed to the transport.
@@ -154,6 +156,7 @@ class SessionManager:
         limit_codec_threads()
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
+        self.realtime_profile = RealtimeProfile.build(settings, engine.capabilities)
         # Put in every session id; a cluster worker sets its worker id here so that an entry can
         # route a session's follow-up requests from the id alone.
         self.id_prefix = ""
@@ -392,9 +395,16 @@ class SessionManager:
 
         @pc.on("datachannel")
         def on_datachannel(channel) -> None:
-            if channel.label not in EVENT_CHANNEL_LABELS:
-                return
             if call.pc is not pc:
+                return
+            if channel.label == OAI_EVENTS_LABEL:
+                translator = RealtimeTranslator(session, self.realtime_profile, channel.send,
+                                                lambda: channel.bufferedAmount)
+                channel.on("message", translator.handle_message)
+                channel.on("close", translator.detach)
+                translator.attach()
+                return
+            if channel.label != EVENT_CHANNEL_LABEL:
                 return
             channel.on("message", session.handle_message)
             channel.on("close", lambda: session.detach_channel(channel.send))

@@ -114,7 +114,8 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def parse_client_event(raw: str | bytes) -> ClientEvent:
+def decode_event(raw: str | bytes) -> tuple[dict[str, Any], str]:
+    """A message as a JSON object with a string ``type`` (any dialect); returns it and the type."""
     if isinstance(raw, bytes):
         if len(raw) > MAX_MESSAGE_BYTES:
             raise ProtocolError("message_too_large", f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -134,13 +135,25 @@ def parse_client_event(raw: str | bytes) -> ClientEvent:
     etype = data.get("type")
     if not isinstance(etype, str):
         raise ProtocolError("invalid_event", "missing string field 'type'", event_id)
-    if etype not in client_event_types():
-        raise ProtocolError("unknown_event", f"unknown event type {etype!r}", event_id)
-    errors = sorted(validator(f"client.{etype}").iter_errors(data), key=lambda e: list(e.path))
+    return data, etype
+
+
+def check_event(definition: str, data: dict[str, Any], etype: str) -> None:
+    """Raise ProtocolError naming the first field of ``data`` that breaks its schema definition."""
+    errors = sorted(validator(definition).iter_errors(data), key=lambda e: list(e.path))
     if errors:
         err = errors[0]
         where = "/".join(str(p) for p in err.path) or "<event>"
+        event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
         raise ProtocolError("invalid_event", f"{etype}: {where}: {err.message}", event_id)
+
+
+def parse_client_event(raw: str | bytes) -> ClientEvent:
+    data, etype = decode_event(raw)
+    if etype not in client_event_types():
+        event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+        raise ProtocolError("unknown_event", f"unknown event type {etype!r}", event_id)
+    check_event(f"client.{etype}", data, etype)
     return ClientEvent(etype, data)
 
 

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
@@ -61,6 +61,12 @@ CHANNEL_HARD_LIMIT = 8 << 20
 MESSAGE_BURST = 200
 MESSAGES_PER_SECOND = 100.0
 RESPONSE_SCOPED = (ResponseStarted, TextDelta, CodecTokens, AudioChunk, ResponseDone, BargeIn, TurnState)
+
+
+# What a change of instructions did: nothing new; prefilled as the system prompt before the model
+# first spoke; kept for the model's next context reset (mid-conversation); or not used by this engine.
+InstructionsEffect = Literal["unchanged", "applied", "next_context_reset", "unused"]
+EventListener = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -135,6 +141,7 @@ class DuplexSession:
         self.suspended = False  # the media path is gone; the session waits for a resume
         self._resync_uplink = False
         self._send: Callable[[str], None] | None = None
+        self._listeners: list[EventListener] = []  # translators of other dialects (oai-events, sideband)
         self._buffered: Callable[[], int] = lambda: 0
         self._tasks: list[asyncio.Task] = []
         self._clock_wake = asyncio.Event()
@@ -235,6 +242,14 @@ class DuplexSession:
         self._send, self._buffered = send, buffered
         while self._outbox:
             self._transmit(self._outbox.popleft())
+
+    def add_listener(self, listener: EventListener) -> None:
+        """Receive every event this session emits from now on (a dialect translates them)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: EventListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def buffered_events(self) -> int:
         """Bytes of events handed to the channel and not yet sent (0 without a channel)."""
@@ -350,6 +365,11 @@ class DuplexSession:
 
     def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
         event = self._stamper.stamp(event_type, **fields)
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:  # one broken consumer must not starve the others
+                log.exception("session %s: event listener failed on %s", self.id, event_type)
         text = strict_json_dumps(event)
         self._journal.append((event["seq"], text))
         if self._send is None:
@@ -379,10 +399,7 @@ class DuplexSession:
     # --- client messages ---------------------------------------------------------------------------
 
     def handle_message(self, raw: str | bytes) -> None:
-        if self.closed:
-            return
-        self.counters.messages_in += 1
-        if not self._take_message_token():
+        if self.closed or not self.admit_message():
             return
         try:
             event = parse_client_event(raw)
@@ -402,8 +419,10 @@ class DuplexSession:
         self._error(ProtocolError("message_too_large",
                                   f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
 
-    def _take_message_token(self) -> bool:
-        """Token bucket over client messages, so a flooding client cannot monopolise the loop."""
+    def admit_message(self) -> bool:
+        """Count a client message, of any dialect, against the session's token bucket, so a
+        flooding client cannot monopolise the loop; False: drop it."""
+        self.counters.messages_in += 1
         now = self.clock()
         self._message_tokens = min(float(MESSAGE_BURST),
                                    self._message_tokens + (now - self._message_refill_at) * MESSAGES_PER_SECOND)
@@ -421,16 +440,9 @@ class DuplexSession:
     def _dispatch(self, ev: ClientEvent) -> None:
         p = ev.payload
         if ev.type == "response.cancel":
-            wanted = p.get("response_id")
-            if self.active_response is None:
-                raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel", ev.event_id)
-            if wanted is not None and wanted != self.active_response:
-                raise ProtocolError("response_not_found",
-                                    f"response {wanted!r} is not the response in progress", ev.event_id)
-            self.interrupt("client_cancel")
+            self.cancel_response(p.get("response_id"), ev.event_id)
         elif ev.type == "input_audio_buffer.commit":
-            self.slot.control(Control(ControlKind.COMMIT, self.epoch))
-            self.emit("input_audio_buffer.committed", epoch=self.epoch)
+            self.commit_input()
         elif ev.type == "turn.listen":
             # Always a fence, even with no response yet: a step already running may be about to
             # start one, and it must not be heard while the session is held.
@@ -442,7 +454,7 @@ class DuplexSession:
             self.slot.control(Control(ControlKind.RELEASE_LISTEN, self.epoch))
             self._set_state("listening", "turn.release")
         elif ev.type == "session.update":
-            self._update(p["session"], ev.event_id)
+            self.update(p["session"], ev.event_id)
         elif ev.type == "playback.ack":
             record = self.ledger.get(p["response_id"])
             if record is None:
@@ -454,32 +466,71 @@ class DuplexSession:
                 fields["client_time"] = p["client_time"]
             self.emit("pong", **fields)
         elif ev.type == "session.close":
-            if self._close_task is None:  # one teardown, however many times the client asks
-                self._begin_close("client_closed")
+            self.request_close("client_closed")
         else:  # the schema and this dispatcher disagree: a server bug, said plainly
             raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id, "server_error")
 
-    def _update(self, fields: dict[str, Any], event_id: str | None) -> None:
+    # --- typed controls (every dialect ends here) ----------------------------------------------------
+
+    def cancel_response(self, response_id: str | None = None, event_id: str | None = None) -> None:
+        if self.active_response is None:
+            raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel", event_id)
+        if response_id is not None and response_id != self.active_response:
+            raise ProtocolError("response_not_found",
+                                f"response {response_id!r} is not the response in progress", event_id)
+        self.interrupt("client_cancel")
+
+    def clear_output_audio(self) -> bool:
+        """Cut what the client is hearing (the response in progress, if any); True if one was cut."""
+        if self.active_response is None:
+            return False
+        return self.interrupt("client_cancel")
+
+    def commit_input(self) -> None:
+        self.slot.control(Control(ControlKind.COMMIT, self.epoch))
+        self.emit("input_audio_buffer.committed", epoch=self.epoch)
+
+    def request_close(self, reason: str) -> None:
+        if self._close_task is None:  # one teardown, however many times the client asks
+            self._begin_close(reason)
+
+    def update(self, fields: dict[str, Any], event_id: str | None = None) -> InstructionsEffect:
+        """Apply validated option changes (keys of the ``session_config`` schema) and answer with
+        ``session.updated``."""
         voice = fields.get("voice", self.options.voice)
         voices = self.capabilities.voices
         if voice is not None and voices and voice not in voices:
             raise ProtocolError("invalid_voice", f"voice {voice!r} is not one of {list(voices)}", event_id)
         if voice is not None and not voices:
             raise ProtocolError("invalid_voice", f"engine {self.engine_name!r} has no selectable voices", event_id)
-        if "instructions" in fields and fields["instructions"] != self.options.instructions:
-            raise ProtocolError("instructions_fixed", "instructions apply when the session opens: send them "
-                                "in the offer's session object", event_id)
-        changes = {k: fields[k] for k in ("voice", "temperature", "seed") if k in fields}
+        effect: InstructionsEffect = "unchanged"
+        changes = {k: fields[k] for k in ("voice", "temperature", "seed", "instructions") if k in fields}
+        if "instructions" in changes and changes["instructions"] != self.options.instructions:
+            if not self.capabilities.instructions:
+                effect = "unused"
+            elif self.ledger.total == 0:
+                effect = "applied"
+            else:
+                effect = "next_context_reset"
         self.options = replace(self.options, **changes)
         if "metrics" in fields:
             self.metrics_enabled = bool(fields["metrics"])
+        if effect == "applied":
+            # Before the model first spoke: a fresh conversation under the new system prompt. The
+            # epoch fences any response the engine may have begun before it sees the restart.
+            self.epoch += 1
+            self.sink.cut(self.epoch)
+            self.slot.control(Control(ControlKind.CANCEL, self.epoch))
+            self.slot.control(Control(ControlKind.RESTART, self.epoch, self.options))
         self.slot.control(Control(ControlKind.UPDATE, self.epoch, self.options))
-        self.emit("session.updated", session=self.describe())
+        self.emit("session.updated", session=self.describe(), instructions_effect=effect)
+        return effect
 
     # --- interruption ------------------------------------------------------------------------------
 
-    def interrupt(self, reason: str, speech_sample: int | None = None) -> None:
+    def interrupt(self, reason: str, speech_sample: int | None = None) -> bool:
         """The epoch contract: bump, cut playout, cancel the engine, then tell the client.
+        True if a response in progress was cut.
 
         ``speech_sample``: for a barge-in, the uplink sample where the user's speech began, so the
         time from speech onset to the cut can be measured.
@@ -492,7 +543,8 @@ class DuplexSession:
         self.counters.interruptions += 1
         response_id = self.active_response or report.response_id
         record = self.ledger.get(response_id)
-        if record is not None and record.status == "in_progress":
+        cut = record is not None and record.status == "in_progress"
+        if cut:
             if report.response_id == response_id:
                 record.played_samples, record.rate = report.played_samples, report.rate
             rate = report.rate
@@ -513,6 +565,7 @@ class DuplexSession:
                                    None if onset is None else max(0.0, self.clock() - onset))
         self._deferred_listen = None
         self._set_state("held" if self.held else "listening", reason)
+        return cut
 
     def _finish_response(self, response_id: str, status: str, reason: str) -> None:
         record = self.ledger.get(response_id)

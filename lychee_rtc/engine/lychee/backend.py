@@ -206,6 +206,7 @@ class LycheeBackend:
             forced_listen=True,
             commit_hint=True,
             text_output=True,
+            instructions=True,
             audio_output="pcm" if vocoder_factory is not None else "codes",
             voices=tuple(getattr(vocoder_factory, "voice_names", ()) or ()),
         )

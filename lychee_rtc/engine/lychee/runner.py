@@ -106,6 +106,8 @@ class SlotState:
     stoken: list[int] = field(default_factory=list)
     control: list[int] = field(default_factory=list)
     prefix_ids: list[int] = field(default_factory=list)  # system prefix, prefilled at positions 0..P-1
+    instructions: str | None = None  # what prefix_ids (or pending_prefix_ids) were made from
+    pending_prefix_ids: list[int] | None = None  # new instructions waiting for the next context reset
     fed: int = 0
     window: int = 0  # index k of the next window (it decides positions up to 10k+9)
     force_listen: bool = False
@@ -223,22 +225,25 @@ class LycheeRunner:
 
     def open(self, slot: int, options: SessionOptions) -> None:
         state = SlotState(index=slot)
-        if options.instructions:
-            # Text averages about 4 characters per token, so 8 per prefix token is more than can fit:
-            # cut the text first so tokenizing stays cheap on the engine thread, then the tokens.
-            ids = self.system_prefix(options.instructions[: 8 * self.max_prefix])
-            if len(ids) > self.max_prefix:
-                log.warning("slot %d: instructions of %d tokens cut to %d", slot, len(ids), self.max_prefix)
-                ids = ids[: self.max_prefix - 1] + ids[-1:]  # keep the closing <|EOT|>
-            state.prefix_ids = ids
-        else:
-            state.prefix_ids = list(self.prefix_ids)
+        state.prefix_ids = self._prefix_for(slot, options.instructions)
+        state.instructions = options.instructions
         state.temperature = self.settings.temperature if options.temperature is None else options.temperature
         seed = options.seed if options.seed is not None else self.settings.seed * 1000003 + slot
         state.generator = torch.Generator(device=self.device).manual_seed(int(seed))
         state.seed = options.seed
         self.slots[slot] = state
         self._start_context(state)
+
+    def _prefix_for(self, slot: int, instructions: str | None) -> list[int]:
+        if not instructions:
+            return list(self.prefix_ids)
+        # Text averages about 4 characters per token, so 8 per prefix token is more than can fit:
+        # cut the text first so tokenizing stays cheap on the engine thread, then the tokens.
+        ids = self.system_prefix(instructions[: 8 * self.max_prefix])
+        if len(ids) > self.max_prefix:
+            log.warning("slot %d: instructions of %d tokens cut to %d", slot, len(ids), self.max_prefix)
+            ids = ids[: self.max_prefix - 1] + ids[-1:]  # keep the closing <|EOT|>
+        return ids
 
     def close(self, slot: int) -> None:
         self._clear_rows(slot)
@@ -255,6 +260,8 @@ class LycheeRunner:
     def _start_context(self, state: SlotState) -> None:
         """Fresh conversation in this slot: prefill the system prefix, decide position 0."""
         self._clear_rows(state.index)
+        if state.pending_prefix_ids is not None:
+            state.prefix_ids, state.pending_prefix_ids = state.pending_prefix_ids, None
         t = self.tok
         state.text, state.stoken, state.control = [t.text_pad], [t.stoken_pad], [t.sleep]
         state.fed = 0
@@ -295,7 +302,20 @@ class LycheeRunner:
                 # "Answer now" means something only while listening; kept while speaking, it would
                 # make the model start again right after the user cancelled it.
                 state.commit = state.mode is Mode.LISTENING and not state.force_listen
+            elif c.kind is ControlKind.RESTART and c.options is not None:
+                # The session fenced the old conversation with a CANCEL epoch before this.
+                if state.mode is Mode.SPEAKING:
+                    self._stop_speaking(state)
+                state.instructions = c.options.instructions
+                state.prefix_ids = self._prefix_for(slot, c.options.instructions)
+                state.pending_prefix_ids = None
+                state.commit = False
+                self._start_context(state)
             elif c.kind is ControlKind.UPDATE and c.options is not None:
+                if c.options.instructions != state.instructions:
+                    # The prefix sits at the start of the context: it can only change at a reset.
+                    state.instructions = c.options.instructions
+                    state.pending_prefix_ids = self._prefix_for(slot, c.options.instructions)
                 if c.options.temperature is not None:
                     state.temperature = c.options.temperature
                 # The session sends all its options with every update: re-seed only on a new seed,

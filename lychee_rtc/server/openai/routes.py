@@ -1,0 +1,312 @@
+"""HTTP and WebSocket entry points of the OpenAI Realtime WebRTC surface.
+
+* ``POST /v1/realtime/calls``: an offer as raw SDP or multipart (``sdp`` + ``session``); 201 with the
+  answer SDP and ``Location: /v1/realtime/calls/{call_id}``. Authorised by the server key or an
+  ephemeral ``ek_`` key, whose session configuration the call starts from.
+* ``POST /v1/realtime/calls/{call_id}/hangup``: end the call (server key).
+* ``POST /v1/realtime/client_secrets``: mint an ``ek_`` key (server key only).
+* ``GET /v1/realtime?call_id=…``: the sideband WebSocket, a server-side controller of a call
+  speaking the GA dialect (server key only).
+
+The call id is the session id, so the call is also visible under ``/v1/sessions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from lychee_rtc.config import Settings
+from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.server import auth
+from lychee_rtc.server.openai.client_secrets import (
+    DEFAULT_TTL_S,
+    ClientSecret,
+    ClientSecretStore,
+    SecretStoreFull,
+    is_client_secret,
+)
+from lychee_rtc.server.openai.dialect import RealtimeTranslator
+from lychee_rtc.server.openai.session_config import (
+    RealtimeProfile,
+    merge_configs,
+    read_session_config,
+    render_session,
+    session_options,
+)
+from lychee_rtc.server.sessions import ServerFull, SessionManager
+from lychee_rtc.session.protocol import (
+    MAX_MESSAGE_BYTES,
+    JsonError,
+    ProtocolError,
+    strict_json_dumps,
+    strict_json_loads,
+)
+
+CALLS_PATH = "/v1/realtime/calls"
+MAX_SESSION_PART_BYTES = 64 * 1024
+MAX_PARTS = 4
+MAX_SIDEBANDS_PER_CALL = 4
+SIDEBAND_QUEUE = 1024  # events waiting for a slow sideband reader; beyond it they are dropped
+
+
+@dataclass
+class RealtimeSurface:
+    settings: Settings
+    manager: SessionManager
+    profile: RealtimeProfile
+    secrets: ClientSecretStore = field(default_factory=ClientSecretStore)
+    sidebands: dict[str, int] = field(default_factory=dict)  # call id -> open sideband sockets
+
+    @property
+    def keyless_is_local(self) -> bool:
+        """No server key, and nobody but this machine can connect: local development."""
+        return self.settings.server.auth_token is None and is_loopback(self.settings.server.host)
+
+
+REALTIME_KEY = web.AppKey("realtime", RealtimeSurface)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
+          param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """OpenAI's error body: ``{"error": {"type", "code", "message", "param"}}``."""
+    return web.json_response({"error": {"type": error_type, "code": code, "message": message, "param": param}},
+                             status=status, headers=headers, dumps=strict_json_dumps)
+
+
+def _needs_server_key(surface: RealtimeSurface) -> web.Response | None:
+    """Keys and server-side control are refused on an open server that others can reach."""
+    if surface.settings.server.auth_token is None and not surface.keyless_is_local:
+        return error(403, "server_key_required", "set server.auth_token to use this endpoint: without a server "
+                     "key it is only available when the server listens on loopback", "invalid_request_error")
+    return None
+
+
+# --- calls -------------------------------------------------------------------------------------------
+
+
+class BodyError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+async def _read_limited(read_chunk, limit: int, what: str) -> bytes:
+    data = bytearray()
+    while chunk := await read_chunk():
+        data += chunk
+        if len(data) > limit:
+            raise BodyError(413, "invalid_body", f"{what} exceeds {limit} bytes")
+    return bytes(data)
+
+
+def _text(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BodyError(400, "invalid_body", f"{what} is not UTF-8 text") from None
+
+
+async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str, Any] | None]:
+    """The offer SDP and the optional ``session`` part."""
+    if request.content_length is not None and request.content_length > max_sdp + MAX_SESSION_PART_BYTES:
+        raise BodyError(413, "invalid_body", f"body of {request.content_length} bytes is too large")
+    if request.content_type == "application/sdp":
+        return _text(await _read_limited(lambda: request.content.read(8192), max_sdp, "the SDP offer"), "the SDP offer"), None
+    if request.content_type != "multipart/form-data":
+        raise BodyError(415, "unsupported_media_type", "send the offer as application/sdp or multipart/form-data "
+                        "with parts 'sdp' and 'session'")
+    reader = await request.multipart()
+    sdp: str | None = None
+    session: dict[str, Any] | None = None
+    for _ in range(MAX_PARTS):
+        part = await reader.next()
+        if part is None:
+            break
+        if part.name == "sdp":
+            sdp = _text(await _read_limited(part.read_chunk, max_sdp, "part 'sdp'"), "part 'sdp'")
+        elif part.name == "session":
+            raw = _text(await _read_limited(part.read_chunk, MAX_SESSION_PART_BYTES, "part 'session'"), "part 'session'")
+            try:
+                session = strict_json_loads(raw)
+            except JsonError as exc:
+                raise BodyError(400, "invalid_session", f"part 'session' is not valid JSON: {exc}") from None
+            if not isinstance(session, dict):
+                raise BodyError(400, "invalid_session", "part 'session' must be a JSON object")
+        else:
+            raise BodyError(400, "invalid_body", f"unknown part {part.name!r}: expected 'sdp' and 'session'")
+    else:
+        raise BodyError(400, "invalid_body", f"more than {MAX_PARTS} parts")
+    if sdp is None:
+        raise BodyError(400, "invalid_body", "part 'sdp' is required")
+    return sdp, session
+
+
+@auth.policy(auth.Policy.CLIENT_SECRET)
+async def create_call(request: web.Request) -> web.Response:
+    surface = request.app[REALTIME_KEY]
+    secret: ClientSecret | None = None
+    token = auth.bearer(request)
+    if token is not None and is_client_secret(token):
+        secret = surface.secrets.lookup(token)
+        if secret is None:
+            return error(401, "invalid_client_secret", "the client secret is unknown or has expired",
+                         headers={"WWW-Authenticate": "Bearer"})
+    elif not auth.has_server_key(request, surface.settings.server.auth_token):
+        return error(401, "unauthorized", "missing or wrong bearer token: the server key or an ek_ client secret "
+                     "is required", headers={"WWW-Authenticate": "Bearer"})
+    try:
+        sdp, session_part = await _read_offer(request, surface.settings.server.max_sdp_bytes)
+    except BodyError as exc:
+        return error(exc.status, exc.code, exc.message)
+    config = merge_configs(secret.session if secret else {}, session_part or {})
+    try:
+        options = session_options(read_session_config(config, surface.profile))
+    except ProtocolError as exc:
+        return error(400, exc.code, exc.message, param="session")
+    try:
+        call = await surface.manager.create(sdp, options)
+    except ServerFull as exc:
+        return error(503, "server_full", "all sessions are in use; retry later", "server_error",
+                     headers={"Retry-After": str(exc.retry_after_s)})
+    except SdpError as exc:
+        return error(422 if exc.unprocessable else 400, "unprocessable_sdp" if exc.unprocessable else "invalid_sdp",
+                     str(exc), param="sdp")
+    return web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
+                        headers={"Location": f"{CALLS_PATH}/{call.session.id}"})
+
+
+async def hangup(request: web.Request) -> web.Response:
+    surface = request.app[REALTIME_KEY]
+    call_id = request.match_info["call_id"]
+    if not await surface.manager.close(call_id, "hangup"):
+        return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
+    return web.Response(status=200)
+
+
+# --- client secrets ---------------------------------------------------------------------------------
+
+
+async def create_client_secret(request: web.Request) -> web.Response:
+    surface = request.app[REALTIME_KEY]
+    if (refused := _needs_server_key(surface)) is not None:
+        return refused
+    try:
+        body = strict_json_loads(_text(await _read_limited(lambda: request.content.read(8192),
+                                                           MAX_SESSION_PART_BYTES, "the request body"),
+                                       "the request body") or "{}")
+    except BodyError as exc:
+        return error(exc.status, exc.code, exc.message)
+    except JsonError as exc:
+        return error(400, "invalid_json", f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return error(400, "invalid_request", "request body must be a JSON object")
+    unknown = set(body) - {"session", "expires_after"}
+    if unknown:
+        return error(400, "unknown_parameter", f"unknown parameter(s): {', '.join(sorted(unknown))}",
+                     param=sorted(unknown)[0])
+    ttl = DEFAULT_TTL_S
+    expires = body.get("expires_after")
+    if expires is not None:
+        if not isinstance(expires, dict) or set(expires) - {"anchor", "seconds"} \
+                or expires.get("anchor", "created_at") != "created_at":
+            return error(400, "invalid_value", "expires_after must be {\"anchor\": \"created_at\", \"seconds\": N}",
+                         param="expires_after")
+        seconds = expires.get("seconds", DEFAULT_TTL_S)
+        if not isinstance(seconds, int) or isinstance(seconds, bool):
+            return error(400, "invalid_value", "expires_after.seconds must be an integer", param="expires_after.seconds")
+        ttl = seconds
+    session = body.get("session", {})
+    try:
+        request_cfg = read_session_config(session, surface.profile)
+    except ProtocolError as exc:
+        return error(400, exc.code, exc.message, param="session")
+    try:
+        secret = surface.secrets.mint(session, ttl)
+    except ValueError as exc:
+        return error(400, "invalid_value", str(exc), param="expires_after.seconds")
+    except SecretStoreFull as exc:
+        return error(429, "too_many_client_secrets", str(exc), "server_error", headers={"Retry-After": "10"})
+    options = session_options(request_cfg)
+    effective = render_session(surface.profile, session_id=None, instructions=options.instructions,
+                               voice=options.voice, expires_at=None)
+    return web.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective},
+                             dumps=strict_json_dumps)
+
+
+# --- sideband ---------------------------------------------------------------------------------------
+
+
+async def sideband(request: web.Request) -> web.StreamResponse:
+    surface = request.app[REALTIME_KEY]
+    if (refused := _needs_server_key(surface)) is not None:
+        return refused
+    call_id = request.query.get("call_id")
+    if not call_id:
+        return error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
+    call = surface.manager.calls.get(call_id)
+    if call is None:
+        return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
+    if surface.sidebands.get(call_id, 0) >= MAX_SIDEBANDS_PER_CALL:
+        return error(409, "too_many_sidebands", f"call {call_id!r} already has {MAX_SIDEBANDS_PER_CALL} sideband "
+                     "connections")
+    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=20.0)
+    await ws.prepare(request)
+    surface.sidebands[call_id] = surface.sidebands.get(call_id, 0) + 1
+    outbox: asyncio.Queue[str | None] = asyncio.Queue(maxsize=SIDEBAND_QUEUE)
+
+    def send(text: str) -> None:
+        outbox.put_nowait(text)  # QueueFull is counted as a dropped event by the translator
+
+    def ended() -> None:
+        try:
+            outbox.put_nowait(None)
+        except asyncio.QueueFull:
+            writer.cancel()
+
+    async def write() -> None:
+        while (text := await outbox.get()) is not None:
+            await ws.send_str(text)
+        await ws.close(message=b"call ended")
+
+    translator = RealtimeTranslator(call.session, surface.profile, send, on_closed=ended)
+    writer = asyncio.create_task(write(), name=f"sideband-{call_id}")
+    translator.attach()
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                translator.handle_message(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                translator.handle_message(msg.data)  # decoded as UTF-8 JSON, or answered with an error
+    finally:
+        translator.detach()
+        if not writer.done():
+            writer.cancel()
+        await ws.close()
+        left = surface.sidebands.get(call_id, 1) - 1
+        if left > 0:
+            surface.sidebands[call_id] = left
+        else:
+            surface.sidebands.pop(call_id, None)
+    return ws
+
+
+def install(app: web.Application, settings: Settings, manager: SessionManager) -> None:
+    app[REALTIME_KEY] = RealtimeSurface(settings, manager, manager.realtime_profile)
+    app.router.add_post(CALLS_PATH, create_call)
+    app.router.add_post(CALLS_PATH + "/{call_id}/hangup", hangup)
+    app.router.add_post("/v1/realtime/client_secrets", create_client_secret)
+    app.router.add_get("/v1/realtime", sideband)

@@ -1,0 +1,80 @@
+"""The official ``openai`` Python SDK (pinned in the ``test`` extra) against this server, unmodified
+apart from its base URL and key: it creates a call from an aiortc offer (multipart, with a session),
+drives it over the sideband WebSocket as an application server would, and hangs it up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from conftest import running_server
+from openai import AsyncOpenAI
+
+from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.server.app import MANAGER_KEY
+from test_openai_realtime import KEY, assert_ga_events_valid, strip_candidates
+
+SILENCE = np.zeros(48000, np.float32)
+
+
+async def next_event(conn, event_type: str, seen: list[dict], timeout: float = 30.0):
+    """Read the sideband until an event of ``event_type`` arrives (every event read is kept)."""
+
+    async def read():
+        while True:
+            event = await conn.recv()
+            seen.append(event.model_dump(exclude_unset=True))
+            if event.type == event_type:
+                return event
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
+    async with running_server(server={"auth_token": KEY}) as (url, app):
+        openai = AsyncOpenAI(api_key=KEY, base_url=f"{url}/v1", max_retries=0)
+        peer = RtcClient(url, channel_label="oai-events")
+        try:
+            offer = strip_candidates(await peer.make_offer())
+            answer = await openai.realtime.calls.create(
+                sdp=offer, session={"type": "realtime", "model": "gpt-realtime", "instructions": "Be brief."})
+            # The SDK returns the answer; the call id is in the Location header.
+            call_id = answer.response.headers["location"].rsplit("/", 1)[1]
+            assert answer.response.status_code == 201 and call_id in app[MANAGER_KEY].calls
+            await peer.accept_answer(answer.text, timeout=30)
+            created = await peer.wait_event("session.created")
+            assert created["session"]["instructions"] == "Be brief."
+
+            seen: list[dict] = []
+            async with openai.realtime.connect(call_id=call_id) as conn:
+                await next_event(conn, "session.created", seen)
+                # The application server changes the agent's set-up; the browser side sees it too.
+                await conn.session.update(session={"type": "realtime", "instructions": "Be very brief."})
+                updated = await next_event(conn, "session.updated", seen)
+                assert updated.session.instructions == "Be very brief."
+                await peer.wait_event("session.updated")
+
+                # The caller speaks; the sideband follows the call and cancels the answer.
+                peer.mic.feed(utterance)
+                peer.mic.feed(SILENCE)
+                response = await next_event(conn, "response.created", seen, timeout=60)
+                await next_event(conn, "output_audio_buffer.started", seen)
+                await conn.response.cancel()
+                done = await next_event(conn, "response.done", seen)
+                assert done.response.id == response.response.id and done.response.status == "cancelled"
+                await peer.wait_event("output_audio_buffer.cleared", response_id=response.response.id)
+
+                await openai.realtime.calls.hangup(call_id)
+                assert call_id not in app[MANAGER_KEY].calls
+                # The sideband ends with the call.
+                async def drain() -> None:
+                    async for event in conn:
+                        seen.append(event.model_dump(exclude_unset=True))
+
+                await asyncio.wait_for(drain(), 10)
+            assert_ga_events_valid(seen)
+            assert_ga_events_valid(peer.events)
+        finally:
+            await peer.close()
+            await openai.close()

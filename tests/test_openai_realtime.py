@@ -1,0 +1,293 @@
+"""The OpenAI Realtime WebRTC surface with a real aiortc peer: calls, client secrets, the GA dialect.
+
+The peer posts its offer the way OpenAI's clients do (raw SDP, or multipart with a session) and,
+like the browser SDK, with every candidate removed: the server learns the peer's address from its
+connectivity checks. Every GA event received is checked against the ``oai.server.*`` definitions
+of signaling/events.schema.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from conftest import running_server
+from contract import check_response
+
+from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.openai.client_secrets import ClientSecretStore, SecretStoreFull
+from lychee_rtc.server.openai.routes import REALTIME_KEY
+from lychee_rtc.session.protocol import validator
+
+KEY = "sk-test-server-key"
+HANGUP = "/v1/realtime/calls/{call_id}/hangup"
+SECRETS = "/v1/realtime/client_secrets"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SILENCE = np.zeros(48000, np.float32)
+# What @openai/agents-realtime 0.20.0 sends in its first session.update (openaiRealtimeBase.mjs).
+SDK_SESSION = {
+    "type": "realtime",
+    "instructions": "You are a terse assistant.",
+    "model": "gpt-realtime-2.1",
+    "output_modalities": ["audio"],
+    "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 24000}, "noise_reduction": None,
+                  "transcription": {"model": "gpt-4o-mini-transcribe"}, "turn_detection": {"type": "semantic_vad"}},
+        "output": {"format": {"type": "audio/pcm", "rate": 24000}, "speed": 1},
+    },
+    "tool_choice": "auto",
+}
+
+
+def strip_candidates(sdp: str) -> str:
+    lines = [ln for ln in sdp.splitlines() if not ln.startswith("a=candidate") and ln != "a=end-of-candidates"]
+    return "\r\n".join(lines) + "\r\n"
+
+
+def assert_ga_events_valid(events: list[dict]) -> None:
+    for event in events:
+        validator(f"oai.server.{event['type']}").validate(event)
+    ids = [e["event_id"] for e in events]
+    assert len(set(ids)) == len(ids), "event ids repeat"
+
+
+async def open_call(url: str, headers: dict[str, str], session: dict | None = None) -> tuple[RtcClient, str]:
+    client = RtcClient(url, channel_label="oai-events")
+    offer = strip_candidates(await client.make_offer())
+    assert "a=candidate" not in offer
+    async with aiohttp.ClientSession() as http:
+        if session is None:
+            post = http.post(f"{url}/v1/realtime/calls", data=offer,
+                             headers={**headers, "Content-Type": "application/sdp"})
+        else:
+            form = aiohttp.FormData()
+            form.add_field("sdp", offer, content_type="application/sdp")
+            form.add_field("session", json.dumps(session), content_type="application/json")
+            post = http.post(f"{url}/v1/realtime/calls", data=form, headers=headers)
+        async with post as resp:
+            raw = await resp.read()
+            body = raw.decode()
+            assert resp.status == 201, body
+            check_response("/v1/realtime/calls", "POST", resp.status, resp.headers, raw)
+            assert resp.content_type == "application/sdp"
+            location = resp.headers["Location"]
+    assert location.startswith("/v1/realtime/calls/")
+    call_id = location.rsplit("/", 1)[1]
+    await client.accept_answer(body, timeout=30)
+    return client, call_id
+
+
+async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance):
+    async with running_server(server={"auth_token": KEY}) as (url, app):
+        client, call_id = await open_call(url, AUTH)
+        try:
+            assert call_id in app[MANAGER_KEY].calls
+            created = await client.wait_event("session.created")
+            assert created["session"]["type"] == "realtime" and created["session"]["id"] == call_id
+            assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+
+            # The SDK's default configuration is accepted; what this engine does not do is reported.
+            client.send({"type": "session.update", "event_id": "cfg1", "session": SDK_SESSION})
+            updated = await client.wait_event("session.updated")
+            assert updated["session"]["instructions"] == SDK_SESSION["instructions"]
+            assert updated["lychee_rtc"]["instructions"] == "unused"  # the echo engine has no prompt
+            assert set(updated["lychee_rtc"]["ignored"]) == {
+                "model", "audio.input.transcription", "audio.input.turn_detection.type"}
+            # The partial update the SDK sends after session.created.
+            n = len(client.events)
+            client.send({"type": "session.update", "session": {"type": "realtime", "tracing": "auto"}})
+            partial = await client.wait_event("session.updated", after=n)
+            assert partial["lychee_rtc"]["ignored"] == ["tracing"]
+            assert partial["session"]["instructions"] == SDK_SESSION["instructions"]
+
+            # The user speaks; the engine endpoints the turn and answers.
+            client.mic.feed(utterance)
+            client.mic.feed(SILENCE)
+            started = await client.wait_event("input_audio_buffer.speech_started", timeout=30)
+            committed = await client.wait_event("input_audio_buffer.committed", timeout=30)
+            assert committed["item_id"] == started["item_id"]
+            user_item = await client.wait_event("conversation.item.done", timeout=10)
+            assert user_item["item"]["role"] == "user"
+            response = await client.wait_event("response.created", timeout=30)
+            rid = response["response"]["id"]
+            await client.wait_event("output_audio_buffer.started", timeout=30, response_id=rid)
+
+            # interrupt() as the browser SDK does it: response.cancel, then output_audio_buffer.clear.
+            client.send({"type": "response.cancel"})
+            client.send({"type": "output_audio_buffer.clear"})
+            cleared = await client.wait_event("output_audio_buffer.cleared", timeout=10, response_id=rid)
+            done = await client.wait_event("response.done", timeout=10)
+            assert done["response"]["id"] == rid and done["response"]["status"] == "cancelled"
+            assert done["response"]["status_details"]["reason"] == "client_cancelled"
+            assert done["response"]["output"][0]["status"] == "incomplete"
+            # The second request found nothing playing; it is still answered.
+            idle_clear = await client.wait_event("output_audio_buffer.cleared", timeout=10, response_id=None)
+            assert client.events.index(cleared) < client.events.index(done) < client.events.index(idle_clear)
+            item_done = [e for e in client.events_of("conversation.item.done") if e["item"]["role"] == "assistant"]
+            assert item_done and item_done[0]["previous_item_id"] == user_item["item"]["id"]
+
+            # Refused and malformed client events get GA errors, and the call goes on.
+            client.send({"type": "conversation.item.create", "event_id": "c1",
+                         "item": {"type": "message", "role": "user", "content": []}})
+            client.send({"type": "session.update", "event_id": "c2", "session": {"type": "transcription"}})
+            client.send({"type": "session.update", "event_id": "c3", "session": {"instructions": 5}})
+            client.send({"type": "response.cancel", "event_id": "c4"})
+            client.send({"type": "conversation.item.retrieve", "item_id": user_item["item"]["id"]})
+            retrieved = await client.wait_event("conversation.item.retrieved", timeout=10)
+            assert retrieved["item"] == user_item["item"]
+            for _ in range(100):
+                if len(client.events_of("error")) >= 4:
+                    break
+                await asyncio.sleep(0.05)
+            errors = {e["error"]["event_id"]: e["error"]["code"] for e in client.events_of("error")}
+            assert errors == {"c1": "unsupported_event", "c2": "unsupported_session_type",
+                              "c3": "invalid_event", "c4": "response_cancel_not_active"}
+            bad = next(e for e in client.events_of("error") if e["error"]["event_id"] == "c3")
+            assert "session/instructions" in bad["error"]["message"]
+            assert_ga_events_valid(client.events)
+
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
+                    assert resp.status == 200
+                    check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
+                assert call_id not in app[MANAGER_KEY].calls
+                async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
+                    assert resp.status == 404
+                    check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
+                    assert (await resp.json())["error"]["code"] == "call_not_found"
+        finally:
+            await client.close()
+
+
+async def test_multipart_session_sets_instructions_before_the_call_opens():
+    session = {"type": "realtime", "instructions": "Answer in French.", "audio": {"output": {"voice": "marin"}}}
+    async with running_server(server={"auth_token": KEY}) as (url, app):
+        client, call_id = await open_call(url, AUTH, session=session)
+        try:
+            created = await client.wait_event("session.created")
+            assert created["session"]["instructions"] == "Answer in French."
+            assert created["session"]["audio"]["output"]["voice"] is None  # no such voice here
+            assert app[MANAGER_KEY].calls[call_id].session.options.instructions == "Answer in French."
+        finally:
+            await client.close()
+
+
+async def test_client_secrets_open_calls_only_until_they_expire():
+    async with running_server(server={"auth_token": KEY}) as (url, app):
+        async with aiohttp.ClientSession() as http:
+            mint = {"session": {"type": "realtime", "instructions": "Be kind."},
+                    "expires_after": {"anchor": "created_at", "seconds": 60}}
+            async with http.post(f"{url}/v1/realtime/client_secrets", json=mint) as resp:
+                assert resp.status == 401  # minting needs the server key
+            async with http.post(f"{url}/v1/realtime/client_secrets", json=mint, headers=AUTH) as resp:
+                assert resp.status == 200
+                check_response(SECRETS, "POST", resp.status, resp.headers, await resp.read())
+                secret = await resp.json()
+            assert secret["value"].startswith("ek_")
+            assert abs(secret["expires_at"] - (time.time() + 60)) < 30
+            assert secret["session"]["instructions"] == "Be kind." and secret["session"]["type"] == "realtime"
+            ek = {"Authorization": f"Bearer {secret['value']}"}
+            # Never a substitute for the server key.
+            async with http.post(f"{url}/v1/realtime/client_secrets", json=mint, headers=ek) as resp:
+                assert resp.status == 401
+            async with http.get(f"{url}/v1/sessions", headers=ek) as resp:
+                assert resp.status == 401
+            async with http.get(f"{url}/v1/realtime?call_id=x", headers=ek) as resp:
+                assert resp.status == 401
+            for bad, code in [({"expires_after": {"seconds": 5}}, "invalid_value"),
+                              ({"session": {"type": "transcription"}}, "unsupported_session_type"),
+                              ({"surprise": 1}, "unknown_parameter")]:
+                async with http.post(f"{url}/v1/realtime/client_secrets", json=bad, headers=AUTH) as resp:
+                    assert resp.status == 400 and (await resp.json())["error"]["code"] == code
+                    check_response(SECRETS, "POST", resp.status, resp.headers, await resp.read())
+
+        # The key opens a call that starts from the configuration it was minted with.
+        client, call_id = await open_call(url, ek)
+        try:
+            created = await client.wait_event("session.created")
+            assert created["session"]["instructions"] == "Be kind."
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=ek) as resp:
+                    assert resp.status == 401  # hanging up is the application server's, with its key
+        finally:
+            await client.close()
+
+        # Once expired, it opens nothing.
+        app[REALTIME_KEY].secrets.clock = lambda: time.time() + 61
+        late = RtcClient(url, channel_label="oai-events")
+        try:
+            offer = await late.make_offer()
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/realtime/calls", data=offer,
+                                     headers={**ek, "Content-Type": "application/sdp"}) as resp:
+                    assert resp.status == 401
+                    assert (await resp.json())["error"]["code"] == "invalid_client_secret"
+        finally:
+            await late.close()
+        assert len(app[REALTIME_KEY].secrets) == 0  # the expired key was dropped
+
+
+def test_client_secret_store_is_bounded_and_forgets_expired_keys():
+    now = [1000.0]
+    store = ClientSecretStore(max_keys=2, clock=lambda: now[0])
+    a = store.mint({}, 10)
+    store.mint({}, 20)
+    with pytest.raises(SecretStoreFull):
+        store.mint({}, 10)
+    with pytest.raises(ValueError):
+        store.mint({}, 7201)
+    now[0] += 15  # the first has expired: room for one more
+    assert store.lookup(a.value) is None
+    store.mint({}, 10)
+    assert len(store) == 2
+
+
+async def test_keyless_server_is_open_on_loopback_and_closed_beyond_it():
+    async with running_server() as (url, _):  # local development: no server key, loopback only
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/realtime/client_secrets", json={}) as resp:
+                assert resp.status == 200 and (await resp.json())["value"].startswith("ek_")
+    # Listening on every interface without a key: no keys are minted and no sideband is opened.
+    async with running_server(server={"host": "0.0.0.0"}) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/realtime/client_secrets", json={}) as resp:
+                assert resp.status == 403 and (await resp.json())["error"]["code"] == "server_key_required"
+                check_response(SECRETS, "POST", resp.status, resp.headers, await resp.read())
+            async with http.get(f"{url}/v1/realtime?call_id=x") as resp:
+                assert resp.status == 403
+                check_response("/v1/realtime", "GET", resp.status, resp.headers, await resp.read())
+
+
+async def test_call_offers_are_checked_like_any_offer():
+    async with running_server(server={"auth_token": KEY}) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            calls = f"{url}/v1/realtime/calls"
+            async with http.post(calls, data="v=0", headers={"Content-Type": "text/plain", **AUTH}) as resp:
+                assert resp.status == 415
+                check_response("/v1/realtime/calls", "POST", resp.status, resp.headers, await resp.read())
+            async with http.post(calls, data="not sdp", headers={"Content-Type": "application/sdp", **AUTH}) as resp:
+                assert resp.status == 400 and (await resp.json())["error"]["param"] == "sdp"
+            form = aiohttp.FormData()
+            form.add_field("session", "{}", content_type="application/json")
+            async with http.post(calls, data=form, headers=AUTH) as resp:
+                assert resp.status == 400 and "'sdp' is required" in (await resp.json())["error"]["message"]
+            async with http.post(calls, data="v=0", headers={"Content-Type": "application/sdp"}) as resp:
+                assert resp.status == 401
+            for query, status in [("", 400), ("?call_id=sess_nope", 404)]:
+                async with http.get(f"{url}/v1/realtime{query}", headers=AUTH) as resp:
+                    assert resp.status == status
+                    check_response("/v1/realtime", "GET", resp.status, resp.headers, await resp.read())
+            # A page on another origin: the preflight allows the SDK's headers; Location is exposed.
+            preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization,content-type,x-openai-agents-sdk"}
+            async with http.options(calls, headers=preflight) as resp:
+                assert resp.status == 204
+                allowed = resp.headers["Access-Control-Allow-Headers"].lower()
+                assert {"authorization", "content-type", "x-openai-agents-sdk"} <= {
+                    h.strip() for h in allowed.split(",")}
+                assert "Location" in resp.headers["Access-Control-Expose-Headers"]
