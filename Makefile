@@ -29,6 +29,7 @@ $(VENV)/.installed-model: $(VENV)/.installed
 
 $(VENV)/.installed-test: $(VENV)/.installed-model
 	@scripts/system-packages chromium janus kamailio sip-tester baresip tshark
+	@command -v npm >/dev/null 2>&1 || scripts/system-packages nodejs npm
 	@echo "installing the test extra"
 	$(PIP) install --quiet --progress-bar off -e '.[test]'
 	@touch $@
