@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import zlib
 
 import aiohttp
 import numpy as np
@@ -20,7 +21,8 @@ from contract import check_response
 
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.server.app import MANAGER_KEY
-from lychee_rtc.server.openai.client_secrets import ClientSecretStore, SecretStoreFull
+from lychee_rtc.server.openai import client_secrets
+from lychee_rtc.server.openai.client_secrets import ClientSecrets, InvalidClientSecret, SessionTooLarge
 from lychee_rtc.server.openai.routes import REALTIME_KEY
 from lychee_rtc.session.protocol import validator
 
@@ -199,8 +201,11 @@ async def test_client_secrets_open_calls_only_until_they_expire():
                 assert resp.status == 401
             async with http.get(f"{url}/v1/realtime?call_id=x", headers=ek) as resp:
                 assert resp.status == 401
+            too_long = {"session": {"type": "realtime", "instructions": "".join(
+                f"{i:x}" for i in range(3000)) + "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(4000))}}
             for bad, code in [({"expires_after": {"seconds": 5}}, "invalid_value"),
                               ({"session": {"type": "transcription"}}, "unsupported_session_type"),
+                              (too_long, "session_too_large"),
                               ({"surprise": 1}, "unknown_parameter")]:
                 async with http.post(f"{url}/v1/realtime/client_secrets", json=bad, headers=AUTH) as resp:
                     assert resp.status == 400 and (await resp.json())["error"]["code"] == code
@@ -227,24 +232,88 @@ async def test_client_secrets_open_calls_only_until_they_expire():
                                      headers={**ek, "Content-Type": "application/sdp"}) as resp:
                     assert resp.status == 401
                     assert (await resp.json())["error"]["code"] == "invalid_client_secret"
+                    assert "expired" in (await resp.json())["error"]["message"]
         finally:
             await late.close()
-        assert len(app[REALTIME_KEY].secrets) == 0  # the expired key was dropped
 
 
-def test_client_secret_store_is_bounded_and_forgets_expired_keys():
-    now = [1000.0]
-    store = ClientSecretStore(max_keys=2, clock=lambda: now[0])
-    a = store.mint({}, 10)
-    store.mint({}, 20)
-    with pytest.raises(SecretStoreFull):
-        store.mint({}, 10)
+def _resign(secrets: ClientSecrets, claims: object, *, compress=zlib.compress) -> str:
+    """A key with a payload of the test's choosing, signed with the right key (as if by a bug)."""
+    payload = client_secrets._b64encode(compress(json.dumps(claims).encode()))
+    return f"ek_{payload}." + secrets._sign("ek_" + payload)
+
+
+def test_a_client_secret_is_a_signed_token_verified_without_state():
+    now = [1_000_000.0]
+    minter = ClientSecrets("sk-one", clock=lambda: now[0])
+    session = {"type": "realtime", "instructions": "Be kind. " * 200}
+    secret = minter.mint(session, 60)
+    assert secret.value.startswith("ek_") and len(secret.value) <= client_secrets.MAX_KEY_CHARS
+    assert (secret.created_at, secret.expires_at) == (1_000_000, 1_000_060)
+    assert minter.mint(session, 60).value != secret.value  # a nonce each
+    # Another process with the same server key (a worker, an entry) reads the same record.
+    other = ClientSecrets("sk-one", clock=lambda: now[0])
+    assert other.verify(secret.value) == secret
+    with pytest.raises(InvalidClientSecret, match="not minted with this server's key"):
+        ClientSecrets("sk-two", clock=lambda: now[0]).verify(secret.value)
+    with pytest.raises(InvalidClientSecret, match="not minted"):  # keyless: a random key per process
+        ClientSecrets(None, clock=lambda: now[0]).verify(secret.value)
+
+    payload, signature = secret.value[3:].split(".")
+    flipped = signature[:-2] + ("A" if signature[-2] != "A" else "B") + signature[-1]
+    forged_payload = client_secrets._b64encode(zlib.compress(json.dumps(
+        {"v": 1, "iat": 1_000_000, "exp": 1_007_200, "nonce": "x" * 16, "session": {}}).encode()))
+    for tampered in (f"ek_{payload}.{flipped}", f"ek_{forged_payload}.{signature}", f"ek_{payload[:-4]}.{signature}"):
+        with pytest.raises(InvalidClientSecret, match="not minted"):
+            other.verify(tampered)
+    for malformed in ("ek_", "ek_abc", f"ek_{payload}", f"ek_{payload}.{signature}x", f"ek_{payload}!.{signature}",
+                      f"sk_{payload}.{signature}", "ek_" + "A" * (client_secrets.MAX_KEY_CHARS + 1)):
+        with pytest.raises(InvalidClientSecret):
+            other.verify(malformed)
+
+    now[0] += 59
+    assert other.verify(secret.value).session == session
+    now[0] += 1  # expired at its expires_at
+    with pytest.raises(InvalidClientSecret, match="expired"):
+        other.verify(secret.value)
     with pytest.raises(ValueError):
-        store.mint({}, 7201)
-    now[0] += 15  # the first has expired: room for one more
-    assert store.lookup(a.value) is None
-    store.mint({}, 10)
-    assert len(store) == 2
+        minter.mint({}, 7201)
+    with pytest.raises(ValueError):
+        minter.mint({}, 9)
+
+
+def test_a_client_secret_payload_is_bounded_and_read_strictly():
+    now = 1_000_000.0
+    secrets_ = ClientSecrets("sk-one", clock=lambda: now)
+    # Incompressible instructions beyond what a header carries are refused at minting, clearly.
+    noise = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(4000))
+    with pytest.raises(SessionTooLarge, match="at most 5120"):
+        secrets_.mint({"instructions": noise})
+    good = {"v": 1, "iat": 1_000_000, "exp": 1_000_600, "nonce": "n" * 16, "session": {"type": "realtime"}}
+    assert secrets_.verify(_resign(secrets_, good)).session == {"type": "realtime"}
+    for bad, reason in [
+        ([1, 2], "wrong fields"),
+        ({**good, "extra": 1}, "wrong fields"),
+        ({k: v for k, v in good.items() if k != "nonce"}, "wrong fields"),
+        ({**good, "v": 2}, "version"),
+        ({**good, "v": True}, "version"),
+        ({**good, "exp": "1000600"}, "lifetime"),
+        ({**good, "iat": 1_000_000.5}, "lifetime"),
+        ({**good, "exp": 1_000_000 + 7201}, "lifetime"),
+        ({**good, "nonce": 5}, "nonce"),
+        ({**good, "session": "realtime"}, "session"),
+    ]:
+        with pytest.raises(InvalidClientSecret, match=reason):
+            secrets_.verify(_resign(secrets_, bad))
+    # A payload that inflates beyond the bound is refused without inflating it all.
+    bomb = _resign(secrets_, {**good, "session": {"instructions": " " * (2 * client_secrets.MAX_JSON_BYTES)}})
+    with pytest.raises(InvalidClientSecret, match="oversized"):
+        secrets_.verify(bomb)
+    with pytest.raises(InvalidClientSecret, match="unreadable"):
+        secrets_.verify(_resign(secrets_, good, compress=lambda raw: raw))  # not compressed
+    nan = _resign(secrets_, good, compress=lambda raw: zlib.compress(raw.replace(b'"realtime"', b"NaN")))
+    with pytest.raises(InvalidClientSecret, match="unreadable"):
+        secrets_.verify(nan)
 
 
 async def test_keyless_server_is_open_on_loopback_and_closed_beyond_it():

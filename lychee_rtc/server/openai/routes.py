@@ -4,7 +4,8 @@
   answer SDP and ``Location: /v1/realtime/calls/{call_id}``. Authorised by the server key or an
   ephemeral ``ek_`` key, whose session configuration the call starts from.
 * ``POST /v1/realtime/calls/{call_id}/hangup``: end the call (server key).
-* ``POST /v1/realtime/client_secrets``: mint an ``ek_`` key (server key only).
+* ``POST /v1/realtime/client_secrets``: mint an ``ek_`` key (server key only); keys are signed
+  tokens, so any process with the same server key verifies them (see ``client_secrets``).
 * ``GET /v1/realtime?call_id=…``: the sideband WebSocket, a server-side controller of a call
   speaking the GA dialect (server key only).
 
@@ -26,8 +27,9 @@ from lychee_rtc.server import auth
 from lychee_rtc.server.openai.client_secrets import (
     DEFAULT_TTL_S,
     ClientSecret,
-    ClientSecretStore,
-    SecretStoreFull,
+    ClientSecrets,
+    InvalidClientSecret,
+    SessionTooLarge,
     is_client_secret,
 )
 from lychee_rtc.server.openai.dialect import RealtimeTranslator
@@ -59,13 +61,8 @@ class RealtimeSurface:
     settings: Settings
     manager: SessionManager
     profile: RealtimeProfile
-    secrets: ClientSecretStore = field(default_factory=ClientSecretStore)
+    secrets: ClientSecrets
     sidebands: dict[str, int] = field(default_factory=dict)  # call id -> open sideband sockets
-
-    @property
-    def keyless_is_local(self) -> bool:
-        """No server key, and nobody but this machine can connect: local development."""
-        return self.settings.server.auth_token is None and is_loopback(self.settings.server.host)
 
 
 REALTIME_KEY = web.AppKey("realtime", RealtimeSurface)
@@ -87,9 +84,14 @@ def error(status: int, code: str, message: str, error_type: str = "invalid_reque
                              status=status, headers=headers, dumps=strict_json_dumps)
 
 
-def _needs_server_key(surface: RealtimeSurface) -> web.Response | None:
+def keyless_is_local(settings: Settings) -> bool:
+    """No server key, and nobody but this machine can connect: local development."""
+    return settings.server.auth_token is None and is_loopback(settings.server.host)
+
+
+def needs_server_key(settings: Settings) -> web.Response | None:
     """Keys and server-side control are refused on an open server that others can reach."""
-    if surface.settings.server.auth_token is None and not surface.keyless_is_local:
+    if settings.server.auth_token is None and not keyless_is_local(settings):
         return error(403, "server_key_required", "set server.auth_token to use this endpoint: without a server "
                      "key it is only available when the server listens on loopback", "invalid_request_error")
     return None
@@ -161,10 +163,10 @@ async def create_call(request: web.Request) -> web.Response:
     secret: ClientSecret | None = None
     token = auth.bearer(request)
     if token is not None and is_client_secret(token):
-        secret = surface.secrets.lookup(token)
-        if secret is None:
-            return error(401, "invalid_client_secret", "the client secret is unknown or has expired",
-                         headers={"WWW-Authenticate": "Bearer"})
+        try:
+            secret = surface.secrets.verify(token)
+        except InvalidClientSecret as exc:
+            return error(401, "invalid_client_secret", str(exc), headers={"WWW-Authenticate": "Bearer"})
     elif not auth.has_server_key(request, surface.settings.server.auth_token):
         return error(401, "unauthorized", "missing or wrong bearer token: the server key or an ek_ client secret "
                      "is required", headers={"WWW-Authenticate": "Bearer"})
@@ -202,7 +204,7 @@ async def hangup(request: web.Request) -> web.Response:
 
 async def create_client_secret(request: web.Request) -> web.Response:
     surface = request.app[REALTIME_KEY]
-    if (refused := _needs_server_key(surface)) is not None:
+    if (refused := needs_server_key(surface.settings)) is not None:
         return refused
     try:
         body = strict_json_loads(_text(await _read_limited(lambda: request.content.read(8192),
@@ -236,10 +238,10 @@ async def create_client_secret(request: web.Request) -> web.Response:
         return error(400, exc.code, exc.message, param="session")
     try:
         secret = surface.secrets.mint(session, ttl)
+    except SessionTooLarge as exc:
+        return error(400, "session_too_large", str(exc), param="session")
     except ValueError as exc:
         return error(400, "invalid_value", str(exc), param="expires_after.seconds")
-    except SecretStoreFull as exc:
-        return error(429, "too_many_client_secrets", str(exc), "server_error", headers={"Retry-After": "10"})
     options = session_options(request_cfg)
     effective = render_session(surface.profile, session_id=None, instructions=options.instructions,
                                voice=options.voice, expires_at=None)
@@ -252,7 +254,7 @@ async def create_client_secret(request: web.Request) -> web.Response:
 
 async def sideband(request: web.Request) -> web.StreamResponse:
     surface = request.app[REALTIME_KEY]
-    if (refused := _needs_server_key(surface)) is not None:
+    if (refused := needs_server_key(surface.settings)) is not None:
         return refused
     call_id = request.query.get("call_id")
     if not call_id:
@@ -305,7 +307,8 @@ async def sideband(request: web.Request) -> web.StreamResponse:
 
 
 def install(app: web.Application, settings: Settings, manager: SessionManager) -> None:
-    app[REALTIME_KEY] = RealtimeSurface(settings, manager, manager.realtime_profile)
+    app[REALTIME_KEY] = RealtimeSurface(settings, manager, manager.realtime_profile,
+                                        ClientSecrets(settings.server.auth_token))
     app.router.add_post(CALLS_PATH, create_call)
     app.router.add_post(CALLS_PATH + "/{call_id}/hangup", hangup)
     app.router.add_post("/v1/realtime/client_secrets", create_client_secret)
