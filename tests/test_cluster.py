@@ -10,6 +10,7 @@ are the real programs; the test only kills a worker's process to see the cluster
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
+from openai import AsyncOpenAI
 
 pytest.importorskip("ray", reason="the cluster tests need the cluster extra (Ray)")
 
@@ -30,6 +32,8 @@ from cluster_topology import REPO, RayCluster, namespaces_possible, ray_env, sto
 from conftest import free_port, wait_until  # noqa: E402
 from contract import check_response  # noqa: E402
 from telephony_support import CREDENTIALS, EventStream, carrier  # noqa: E402
+from test_openai_python_sdk import next_event  # noqa: E402
+from test_openai_realtime import HANGUP, SECRETS, assert_ga_events_valid, strip_candidates  # noqa: E402
 
 from lychee_rtc.bench.client import RtcClient  # noqa: E402
 from lychee_rtc.cluster.ids import worker_of  # noqa: E402
@@ -37,6 +41,9 @@ from lychee_rtc.cluster.ids import worker_of  # noqa: E402
 SECOND = 48000  # client-side samples per second
 SLOTS_PER_WORKER = 2
 TELNYX_TOKEN = CREDENTIALS["telnyx"]["token"]
+SERVER_KEY = "sk-cluster-test-key"  # the profile's server.auth_token, shared by the entry and its workers
+ADMIN = {"Authorization": f"Bearer {SERVER_KEY}"}
+CALLS = "/v1/realtime/calls"
 
 
 @dataclass
@@ -54,7 +61,7 @@ class Entry:
 
 def _profile(path: Path, host: str, port: int, address: str, namespace: str) -> None:
     path.write_text(f"""
-server: {{host: "{host}", port: {port}}}
+server: {{host: "{host}", port: {port}, auth_token: "{SERVER_KEY}"}}
 rtc: {{ice_servers: [], jitter_buffer: lowlatency}}
 session: {{max_sessions: {SLOTS_PER_WORKER}, connect_timeout_s: 60, retry_after_s: 3}}
 engine: {{name: echo, echo: {{mode: loopback, loopback_window_ms: 20}}}}
@@ -114,7 +121,7 @@ async def readyz(entry: Entry) -> tuple[int, dict[str, Any]]:
 
 
 async def workers(entry: Entry) -> dict[str, dict[str, Any]]:
-    status, headers, data, raw = await _get(entry.url + "/v1/cluster/workers")
+    status, headers, data, raw = await _get(entry.url + "/v1/cluster/workers", ADMIN)
     check_response("/v1/cluster/workers", "GET", status, headers, raw)
     return {w["worker_id"]: w for w in data["workers"]}
 
@@ -159,7 +166,7 @@ def media_peer_address(pc: RTCPeerConnection) -> str | None:
 
 
 async def call(entry: Entry) -> RtcClient:
-    client = RtcClient(entry.url, jitter_buffer="lowlatency")
+    client = RtcClient(entry.url, jitter_buffer="lowlatency", auth_token=SERVER_KEY)
     await client.connect()
     return client
 
@@ -215,7 +222,7 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
         status, headers, data, raw = await _get(f"{entry.url}/v1/sessions/{b.session_id}", b.auth_headers)
         assert status == 200 and data["session_id"] == b.session_id and data["connection_state"] == "connected"
         check_response("/v1/sessions/{session_id}", "GET", status, headers, raw)
-        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions")
+        status, headers, data, raw = await _get(f"{entry.url}/v1/sessions", ADMIN)
         check_response("/v1/sessions", "GET", status, headers, raw)
         assert {s["session_id"] for s in data["sessions"]} == {a.session_id, b.session_id}
         _, _, _, metrics = await _get(entry.url + "/metrics")
@@ -229,7 +236,8 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
         # WHIP through the entry: the resource URL names the worker, PATCH and DELETE reach it.
         pc, sdp = await _offer_sdp()
         async with aiohttp.ClientSession() as http:
-            async with http.post(entry.url + "/whip", data=sdp, headers={"Content-Type": "application/sdp"}) as r:
+            async with http.post(entry.url + "/whip", data=sdp,
+                                 headers={"Content-Type": "application/sdp", **ADMIN}) as r:
                 answer = await r.text()
                 check_response("/whip", "POST", r.status, r.headers, answer.encode())
                 assert r.status == 201, answer
@@ -275,12 +283,13 @@ async def test_a_full_cluster_answers_503_with_retry_after(entry: Entry):
         assert sorted(per_worker.values()) == [SLOTS_PER_WORKER, SLOTS_PER_WORKER]
         pc, sdp = await _offer_sdp()
         async with aiohttp.ClientSession() as http:
-            async with http.post(entry.url + "/v1/rtc/offer", json={"type": "offer", "sdp": sdp}) as r:
+            async with http.post(entry.url + "/v1/rtc/offer", json={"type": "offer", "sdp": sdp}, headers=ADMIN) as r:
                 body = await r.read()
                 assert r.status == 503 and r.headers["Retry-After"] == "3"
                 check_response("/v1/rtc/offer", "POST", r.status, r.headers, body)
                 assert (await r.json())["error"]["code"] == "server_full"
-            async with http.post(entry.url + "/whip", data=sdp, headers={"Content-Type": "application/sdp"}) as r:
+            async with http.post(entry.url + "/whip", data=sdp,
+                                 headers={"Content-Type": "application/sdp", **ADMIN}) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "3"
         await pc.close()
         status, headers, data, raw = await _get(entry.url + "/readyz")
@@ -354,11 +363,12 @@ async def test_drain_takes_no_new_calls_ends_after_the_deadline_and_restarts(ent
             path = "/v1/cluster/workers/{worker_id}/drain"
             for worker, body, code in ((drained, {"deadline_s": -1}, 400), (drained, {"restart": "yes"}, 400),
                                        (drained, {"x": 1}, 400), ("w7", {}, 404)):
-                async with http.post(f"{entry.url}/v1/cluster/workers/{worker}/drain", json=body) as r:
+                async with http.post(f"{entry.url}/v1/cluster/workers/{worker}/drain", json=body,
+                                     headers=ADMIN) as r:
                     assert r.status == code, await r.text()
                     check_response(path, "POST", r.status, r.headers, await r.read())
             async with http.post(f"{entry.url}/v1/cluster/workers/{drained}/drain",
-                                 json={"deadline_s": 2, "restart": True}) as r:
+                                 json={"deadline_s": 2, "restart": True}, headers=ADMIN) as r:
                 assert r.status == 202, await r.text()
                 check_response(path, "POST", r.status, r.headers, await r.read())
                 assert (await r.json())["state"] == "draining"
@@ -393,11 +403,11 @@ async def test_a_phone_call_through_the_entry_is_relayed_to_a_worker_and_its_eve
         await phone.connect()
 
         async def telephony_session():
-            _, _, data, _ = await _get(entry.url + "/v1/sessions")
+            _, _, data, _ = await _get(entry.url + "/v1/sessions", ADMIN)
             return next((x for x in data["sessions"] if x.get("transport") == "telephony"), None)
         session = await wait_for(entry, telephony_session, "the phone call's session on a worker", timeout=60)
         assert worker_of(session["session_id"]) in by_id
-        events = EventStream(entry.url, session["session_id"])
+        events = EventStream(entry.url, session["session_id"], headers=ADMIN)  # the operator's call
         await events.connect()
         created = await events.wait("session.created", timeout=30)  # replayed from the call's start
         assert created["session"]["id"] == session["session_id"]
@@ -415,3 +425,124 @@ async def test_a_phone_call_through_the_entry_is_relayed_to_a_worker_and_its_eve
         if events is not None:
             await events.close()
         await phone.close()
+
+
+async def realtime_call(entry: Entry, headers: dict[str, str], session: dict[str, Any]) -> tuple[RtcClient, str]:
+    """A call as the OpenAI clients place it, through the entry: candidate-less offer, multipart with a session."""
+    client = RtcClient(entry.url, channel_label="oai-events")
+    offer = strip_candidates(await client.make_offer())
+    form = aiohttp.FormData()
+    form.add_field("sdp", offer, content_type="application/sdp")
+    form.add_field("session", json.dumps(session), content_type="application/json")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(entry.url + CALLS, data=form, headers={**headers, "Origin": "http://app.example"}) as r:
+            raw = await r.read()
+            check_response(CALLS, "POST", r.status, r.headers, raw)
+            assert r.status == 201, raw
+            assert r.headers["Access-Control-Allow-Origin"] == "*"  # a page on another origin reads its call id
+            assert "Location" in r.headers["Access-Control-Expose-Headers"]
+            location = r.headers["Location"]
+    assert re.fullmatch(r"/v1/realtime/calls/sess_w[0-9]+-[0-9A-Za-z_-]+", location), location
+    await client.accept_answer(raw.decode(), timeout=60)
+    return client, location.rsplit("/", 1)[1]
+
+
+async def test_openai_realtime_calls_through_the_entry_with_a_key_minted_there(entry: Entry):
+    """A key minted at the entry opens calls on either worker (it is verified without shared state);
+    the sideband and the hang-up of each call reach the worker that holds it."""
+    by_id = await settled(entry)
+    calls: list[RtcClient] = []
+    openai = AsyncOpenAI(api_key=SERVER_KEY, base_url=f"{entry.url}/v1", max_retries=0)
+    try:
+        async with aiohttp.ClientSession() as http:
+            mint = {"session": {"type": "realtime", "instructions": "Be kind."},
+                    "expires_after": {"anchor": "created_at", "seconds": 300}}
+            async with http.post(entry.url + SECRETS, json=mint) as r:
+                assert r.status == 401  # minting needs the server key, at the entry as at one server
+            async with http.post(entry.url + SECRETS, json=mint, headers=ADMIN) as r:
+                raw = await r.read()
+                check_response(SECRETS, "POST", r.status, r.headers, raw)
+                assert r.status == 200, raw
+                key = (await r.json())["value"]
+            ek = {"Authorization": f"Bearer {key}"}
+            # A forged key is refused by the worker the offer reaches; the key never opens server-key routes.
+            payload, signature = key[3:].split(".")
+            forged = f"ek_{payload}.{signature[:-2]}{'A' if signature[-2] != 'A' else 'B'}{signature[-1]}"
+            async with http.post(entry.url + CALLS, data="v=0\r\n",
+                                 headers={"Authorization": f"Bearer {forged}", "Content-Type": "application/sdp"}) as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_client_secret"
+            async with http.post(entry.url + SECRETS, json=mint, headers=ek) as r:
+                assert r.status == 401
+
+        # The same key opens a call on each worker: least loaded first puts them on different workers.
+        first, first_id = await realtime_call(entry, ek, {"type": "realtime", "model": "gpt-realtime"})
+        calls.append(first)
+        second, second_id = await realtime_call(entry, ek, {"type": "realtime", "instructions": "Be brief."})
+        calls.append(second)
+        assert {worker_of(first_id), worker_of(second_id)} == set(by_id)
+        for client, call_id in ((first, first_id), (second, second_id)):
+            assert by_id[worker_of(call_id)]["node_ip"] in candidate_addresses(client.pc.remoteDescription.sdp)
+        assert (await first.wait_event("session.created", timeout=30))["session"]["instructions"] == "Be kind."
+        assert (await second.wait_event("session.created", timeout=30))["session"]["instructions"] == "Be brief."
+        await audio_flows(first)
+
+        # The application server steers the first call over the sideband, relayed by the entry.
+        seen: list[dict] = []
+        async with openai.realtime.connect(call_id=first_id) as conn:
+            created = await next_event(conn, "session.created", seen)
+            assert created.session.id == first_id
+            await conn.session.update(session={"type": "realtime", "instructions": "Be very brief."})
+            updated = await next_event(conn, "session.updated", seen)
+            assert updated.session.instructions == "Be very brief."
+            seen_by_page = await first.wait_event("session.updated", timeout=30)
+            assert seen_by_page["session"]["instructions"] == "Be very brief."
+            await conn.response.cancel()  # nothing is playing on a loopback engine: answered with an error
+            refused = await next_event(conn, "error", seen)
+            assert refused.error.code == "response_cancel_not_active"
+
+            await openai.realtime.calls.hangup(first_id)
+            async def drain() -> None:  # the sideband ends with the call
+                async for event in conn:
+                    seen.append(event.model_dump(exclude_unset=True))
+            await asyncio.wait_for(drain(), 30)
+        assert_ga_events_valid(seen)
+        await wait_until(lambda: first.pc.connectionState in ("closed", "failed"), 60, "the hung-up call to close")
+        await audio_flows(second)
+
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{entry.url}/v1/sessions/{first_id}", headers=ADMIN) as r:
+                assert r.status == 404  # ended at its worker
+            # The hang-up route refuses as one server does: the key first, then the call.
+            for call_id, headers, status, code in ((second_id, {}, 401, "unauthorized"),
+                                                   (second_id, ek, 401, "unauthorized"),
+                                                   (first_id, ADMIN, 404, "call_not_found"),
+                                                   ("sess_w9-0011223344556677", ADMIN, 404, "call_not_found"),
+                                                   ("nonsense", ADMIN, 404, "call_not_found")):
+                async with http.post(entry.url + HANGUP.format(call_id=call_id), headers=headers) as r:
+                    raw = await r.read()
+                    check_response(HANGUP, "POST", r.status, r.headers, raw)
+                    assert (r.status, (await r.json())["error"]["code"]) == (status, code), raw
+            for query, headers, status in (("?call_id=" + second_id, ek, 401), ("", ADMIN, 400),
+                                           ("?call_id=" + first_id, ADMIN, 404),
+                                           ("?call_id=sess_w9-0011223344556677", ADMIN, 404)):
+                async with http.get(f"{entry.url}/v1/realtime{query}", headers=headers) as r:
+                    raw = await r.read()
+                    check_response("/v1/realtime", "GET", r.status, r.headers, raw)
+                    assert r.status == status, raw
+                    if status == 404:
+                        assert (await r.json())["error"]["code"] == "call_not_found"
+            # A page on another origin may call the entry: the preflight allows the SDK's headers.
+            preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization,content-type,x-openai-agents-sdk"}
+            async with http.options(entry.url + CALLS, headers=preflight) as r:
+                assert r.status == 204
+                assert "x-openai-agents-sdk" in r.headers["Access-Control-Allow-Headers"].lower()
+
+            async with http.post(entry.url + HANGUP.format(call_id=second_id), headers=ADMIN) as r:
+                assert r.status == 200
+            async with http.get(f"{entry.url}/v1/sessions/{second_id}", headers=ADMIN) as r:
+                assert r.status == 404
+        await wait_until(lambda: second.pc.connectionState in ("closed", "failed"), 60, "the second call to close")
+    finally:
+        await openai.close()
+        await close_all(*calls)

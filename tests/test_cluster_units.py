@@ -7,8 +7,11 @@ the whole path through Ray is in test_cluster.py.
 from __future__ import annotations
 
 import asyncio
+import json
 
+import aiohttp
 import pytest
+from conftest import free_port
 
 from lychee_rtc.cluster.ids import is_worker_id, session_prefix, worker_of
 from lychee_rtc.cluster.metrics import EntryMetrics
@@ -106,6 +109,38 @@ def test_least_loaded_worker_with_room_is_chosen():
     registry.workers["w0"].state = "draining"
     assert registry.choose(set()) is None
     assert registry.capacity == 8 and registry.free == 0
+    # A request that takes no slot (minting a client key) goes to any ready worker, full or not.
+    assert registry.choose_any(set()).worker_id == "w1"  # the least active of the ready ones
+    assert registry.choose_any({"w1"}).worker_id == "w2"  # full, still able to mint
+    registry.workers["w2"].state = "down"
+    assert registry.choose_any({"w1"}) is None  # draining and down workers are not asked
+
+
+async def test_a_refused_websocket_handshake_comes_back_as_a_json_error():
+    from aiohttp import web
+
+    from lychee_rtc.cluster.proxy import refused_handshake
+
+    async def refuse(request):
+        return web.json_response({"error": {"code": "x"}}, status=int(request.query["status"]),
+                                 headers={"WWW-Authenticate": "Bearer", "X-Other": "1"})
+    app = web.Application()
+    app.router.add_get("/ws", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            for status, code in ((401, "unauthorized"), (404, "not_found"), (409, "conflict"), (418, "refused")):
+                with pytest.raises(aiohttp.WSServerHandshakeError) as caught:
+                    await http.ws_connect(f"http://127.0.0.1:{port}/ws?status={status}")
+                response = refused_handshake(caught.value)
+                assert response.status == status and response.content_type == "application/json"
+                assert json.loads(response.body)["error"]["code"] == code
+                assert response.headers["WWW-Authenticate"] == "Bearer" and "X-Other" not in response.headers
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_worker_that_stops_answering_is_down_and_a_new_process_counts_as_a_restart():

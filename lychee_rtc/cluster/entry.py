@@ -1,9 +1,14 @@
 """The cluster entry: the public signaling address in front of the workers.
 
-* ``POST /v1/rtc/offer`` and ``POST /whip`` go to the least-loaded worker with a free slot; its
-  answer comes back unchanged (status, headers, body). A worker that turns out full or unreachable
-  is skipped for the next one; when none has room the entry answers 503 with ``Retry-After``.
-* Follow-ups (``/whip/{id}``, ``/v1/sessions/{id}``) go to the worker named in the session id.
+* ``POST /v1/rtc/offer``, ``POST /whip`` and ``POST /v1/realtime/calls`` go to the least-loaded
+  worker with a free slot; its answer comes back unchanged (status, headers, body). A worker that
+  turns out full or unreachable is skipped for the next one; when none has room the entry answers
+  503 with ``Retry-After``.
+* Follow-ups (``/whip/{id}``, ``/v1/sessions/{id}``, ``/v1/realtime/calls/{id}/hangup``, the
+  sideband WebSocket ``/v1/realtime?call_id=``) go to the worker named in the session id (a call id
+  is a session id).
+* ``POST /v1/realtime/client_secrets`` goes to any ready worker: keys are signed with the server key
+  that every worker shares, so any worker accepts a key that another minted.
 * ``/readyz``, ``/metrics`` and ``/v1/sessions`` describe the whole cluster; each worker keeps its
   own, on its own port (``/v1/cluster/workers/{id}/metrics`` reaches a worker's through the entry).
 * ``POST /v1/cluster/workers/{id}/drain`` is the rolling restart: the worker takes no new calls,
@@ -30,7 +35,9 @@ from lychee_rtc.cluster.metrics import EntryMetrics
 from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, open_websocket, relay_websocket
 from lychee_rtc.cluster.registry import Registry, WorkerView
 from lychee_rtc.config import Settings
+from lychee_rtc.server import auth
 from lychee_rtc.server.app import CORS_EXPOSE, CORS_HEADERS, CORS_METHODS, SETTINGS_KEY, WHIP_PATCH_TYPE, index
+from lychee_rtc.server.openai import routes as realtime
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +182,18 @@ async def cors(request: web.Request, handler: Callable[[web.Request], Awaitable[
 
 
 def _admin(request: web.Request) -> web.Response | None:
-    token = request.app[SETTINGS_KEY].server.auth_token
-    if token and request.headers.get("Authorization") != f"Bearer {token}":
+    """The server key, where one is configured (what a single server's middleware asks of its routes)."""
+    if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
         return _error(401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
     return None
+
+
+def _server_key_only(request: web.Request) -> web.Response | None:
+    """A route a single server opens with the server key only (hangup, sideband): refused here as
+    there, before the entry says anything about the call."""
+    if (denied := _admin(request)) is not None:
+        return denied
+    return realtime.needs_server_key(request.app[SETTINGS_KEY])
 
 
 # --- new sessions ----------------------------------------------------------------------------------
@@ -231,6 +246,22 @@ async def place(request: web.Request) -> web.Response:
     return _unavailable(entry, "server_full", "all sessions are in use; retry later")
 
 
+async def any_worker(request: web.Request) -> web.Response:
+    """A request that takes no slot and needs no session (minting a client key): to a ready worker."""
+    entry = request.app[ENTRY_KEY]
+    body = await request.read()
+    tried: set[str] = set()
+    while (view := entry.registry.choose_any(tried)) is not None:
+        tried.add(view.worker_id)
+        try:
+            return await forward(entry.http, view.url, request, body, entry.timeout())
+        except WorkerUnreachable as exc:
+            entry.registry.mark_down(view, str(exc))
+        except WorkerFailed as exc:
+            return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+    return _unavailable(entry, "no_worker_ready", "no worker is ready; retry later")
+
+
 async def place_websocket(request: web.Request) -> web.StreamResponse:
     """A carrier's media stream starts a call: to the least-loaded worker, relayed both ways.
 
@@ -266,16 +297,40 @@ async def place_websocket(request: web.Request) -> web.StreamResponse:
 # --- follow-ups ------------------------------------------------------------------------------------
 
 
+def _target(request: web.Request) -> tuple[str, str]:
+    """The id a follow-up names and what the client calls it (a realtime call or a session)."""
+    if "call_id" in request.match_info:
+        return request.match_info["call_id"], "call"
+    if "session_id" in request.match_info:
+        return request.match_info["session_id"], "session"
+    return request.query.get("call_id", ""), "call"
+
+
+def _not_found(session_id: str, what: str, detail: str = "") -> web.Response:
+    message = f"no {what} {session_id!r}{detail}"
+    if what == "call":  # the OpenAI surface's own error, as a single server gives it
+        return realtime.error(404, "call_not_found", message, param="call_id")
+    return _error(404, "session_not_found", message)
+
+
+def _holder(request: web.Request) -> WorkerView | web.Response:
+    """The worker that holds the session a follow-up names, or the 404 a single server would give."""
+    session_id, what = _target(request)
+    view = request.app[ENTRY_KEY].registry.workers.get(worker_of(session_id) or "")
+    if view is None:
+        return _not_found(session_id, what)
+    if view.state in ("dead", "stopped") or view.url is None:
+        return _not_found(session_id, what, f": its worker {view.worker_id} is {view.state}")
+    return view
+
+
 async def routed(request: web.Request) -> web.Response:
     """A request about one session: to the worker whose id the session id carries."""
     entry = request.app[ENTRY_KEY]
-    session_id = request.match_info["session_id"]
-    view = entry.registry.workers.get(worker_of(session_id) or "")
-    if view is None:
-        return _error(404, "session_not_found", f"no session {session_id!r}")
-    if view.state in ("dead", "stopped") or view.url is None:
-        return _error(404, "session_not_found",
-                      f"no session {session_id!r}: its worker {view.worker_id} is {view.state}")
+    session_id, _ = _target(request)
+    view = _holder(request)
+    if isinstance(view, web.Response):
+        return view
     body = await request.read()
     started = time.monotonic()
     try:
@@ -290,14 +345,29 @@ async def routed(request: web.Request) -> web.Response:
     return response
 
 
+async def routed_server_key(request: web.Request) -> web.Response:
+    """A hang-up: the server key is checked first, as a single server does, then it is routed."""
+    if (denied := _admin(request)) is not None:
+        return denied
+    return await routed(request)
+
+
+async def sideband(request: web.Request) -> web.StreamResponse:
+    """The sideband WebSocket of a realtime call: relayed to the worker named in ``call_id``."""
+    if (denied := _server_key_only(request)) is not None:
+        return denied
+    if not request.query.get("call_id"):
+        return realtime.error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
+    return await routed_websocket(request)
+
+
 async def routed_websocket(request: web.Request) -> web.StreamResponse:
-    """A WebSocket about one session (a phone call's event stream): to the worker in the session id."""
+    """A WebSocket about one session (a phone call's event stream, a realtime call's sideband): to
+    the worker in the session id."""
     entry = request.app[ENTRY_KEY]
-    session_id = request.match_info["session_id"]
-    view = entry.registry.workers.get(worker_of(session_id) or "")
-    if view is None or view.url is None or view.state in ("dead", "stopped"):
-        return _error(404, "session_not_found", f"no session {session_id!r} (through the cluster entry, "
-                                                "name a call by its session id)")
+    view = _holder(request)
+    if isinstance(view, web.Response):
+        return view
     try:
         upstream = await open_websocket(entry.http, view.url, request, entry.settings.cluster.forward_timeout_s)
     except WorkerUnreachable as exc:
@@ -306,6 +376,8 @@ async def routed_websocket(request: web.Request) -> web.StreamResponse:
     except WorkerFailed as exc:
         return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
     if isinstance(upstream, web.Response):
+        if upstream.status == 404:  # the session ended: say so as a single server does
+            return _not_found(*_target(request))
         return upstream
     return await relay_websocket(request, upstream)
 
@@ -415,7 +487,9 @@ async def worker_metrics(request: web.Request) -> web.Response:
 
 
 def create_entry_app(settings: Settings) -> web.Application:
-    app = web.Application(middlewares=[cors], client_max_size=settings.server.max_sdp_bytes)
+    # A realtime call's multipart body holds a session part besides the SDP; the worker bounds each.
+    app = web.Application(middlewares=[cors], client_max_size=settings.server.max_sdp_bytes
+                          + realtime.MAX_SESSION_PART_BYTES + 4096)
     entry = Entry(settings)
     app[SETTINGS_KEY] = settings
     app[ENTRY_KEY] = entry
@@ -427,6 +501,10 @@ def create_entry_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{session_id}", routed)
     app.router.add_delete("/v1/sessions/{session_id}", routed)
+    app.router.add_post(realtime.CALLS_PATH, place)
+    app.router.add_post(realtime.CALLS_PATH + "/{call_id}/hangup", routed_server_key)
+    app.router.add_post("/v1/realtime/client_secrets", any_worker)
+    app.router.add_get("/v1/realtime", sideband)
     if settings.telephony.enabled:
         app.router.add_get("/v1/telephony/ws", place_websocket)
         app.router.add_get("/v1/telephony/ws/{provider}", place_websocket)

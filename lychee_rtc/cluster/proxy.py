@@ -100,9 +100,26 @@ async def open_websocket(http: aiohttp.ClientSession, base_url: str, request: we
     except aiohttp.ClientConnectorError as exc:
         raise WorkerUnreachable(f"cannot connect to {base_url}: {exc.os_error or exc}") from None
     except aiohttp.WSServerHandshakeError as exc:
-        return web.Response(status=exc.status, text=exc.message or "")
+        return refused_handshake(exc)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise WorkerFailed(f"{base_url} failed: {type(exc).__name__}: {exc}") from None
+
+
+# What a refused handshake's status means; the worker's JSON body does not survive the client
+# library's handshake, so the entry restates it in the same error shape.
+_REFUSAL_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                  409: "conflict", 503: "unavailable"}
+_PASSED_HEADERS = ("WWW-Authenticate", "Retry-After")
+
+
+def refused_handshake(exc: aiohttp.WSServerHandshakeError) -> web.Response:
+    """The worker's refusal of a WebSocket handshake, as a JSON error with its status and headers."""
+    status = exc.status if exc.status >= 400 else 502
+    headers = {k: exc.headers[k] for k in _PASSED_HEADERS if exc.headers and k in exc.headers}
+    code = _REFUSAL_CODES.get(status, "refused")
+    message = f"the worker refused the WebSocket: {exc.status} {exc.message or ''}".rstrip()
+    return web.json_response({"error": {"type": "invalid_request_error" if status < 500 else "server_error",
+                                        "code": code, "message": message}}, status=status, headers=headers)
 
 
 async def relay_websocket(request: web.Request, upstream: aiohttp.ClientWebSocketResponse) -> web.WebSocketResponse:

@@ -98,6 +98,14 @@ class Registry:
             return None
         return min(candidates, key=lambda w: (1 - w.free / w.capacity, -w.free, w.worker_id))
 
+    def choose_any(self, exclude: set[str]) -> WorkerView | None:
+        """A ready worker for a request that takes no slot (minting a key): the least loaded, full or not."""
+        candidates = [w for w in self.workers.values()
+                      if w.worker_id not in exclude and w.state == "ready" and w.url is not None]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (w.active / max(w.capacity, 1), w.worker_id))
+
     @property
     def capacity(self) -> int:
         return sum(w.capacity for w in self.workers.values() if w.state == "ready")
