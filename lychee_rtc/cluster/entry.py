@@ -318,7 +318,9 @@ def _holder(request: web.Request) -> WorkerView | web.Response:
     session_id, what = _target(request)
     view = request.app[ENTRY_KEY].registry.workers.get(worker_of(session_id) or "")
     if view is None:
-        return _not_found(session_id, what)
+        hint = " (through the cluster entry, name a call by its session id)" \
+            if request.path.startswith("/v1/telephony/") else ""
+        return _not_found(session_id, what, hint)
     if view.state in ("dead", "stopped") or view.url is None:
         return _not_found(session_id, what, f": its worker {view.worker_id} is {view.state}")
     return view
