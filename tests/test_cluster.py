@@ -208,6 +208,7 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
     if entry.isolated:
         assert {w["node_ip"] for w in by_id.values()} == set(entry.cluster.node_ips)
     a, b = await call(entry), await call(entry)
+    late: list[RtcClient] = []
     try:
         # Least loaded first: the second call goes to the other worker.
         assert {worker_of(a.session_id), worker_of(b.session_id)} == set(by_id)
@@ -269,8 +270,18 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
         await pc.close()
         await wait_until(lambda: a.pc.connectionState in ("closed", "failed"), 60, "the hung-up call to close")
         await audio_flows(b)
+
+        # A resume goes to the worker that holds the session (its slot, its context), not to the
+        # least-loaded one: the same session continues on a new connection.
+        resumed = RtcClient(entry.url, jitter_buffer="lowlatency", auth_token=SERVER_KEY)
+        late.append(resumed)
+        await resumed.connect(resume={"session_id": b.session_id, "session_token": b.session_token,
+                                      "last_seq": b.events[-1]["seq"]})
+        note = await resumed.wait_event("session.resumed", timeout=60)
+        assert resumed.session_id == b.session_id and note["lost"] == 0
+        await check_call_on(entry, resumed, by_id[worker_of(b.session_id)])
     finally:
-        await close_all(a, b)
+        await close_all(a, b, *late)
 
 
 async def test_a_full_cluster_answers_503_with_retry_after(entry: Entry):

@@ -213,6 +213,9 @@ async def place(request: web.Request) -> web.Response:
     entry = request.app[ENTRY_KEY]
     registry, metrics = entry.registry, entry.metrics
     body = await request.read()
+    if (resumed := _resumed_session(request, body)) is not None:
+        # A resume re-attaches a session where it lives (its engine slot, its context): not placed.
+        return await _forward_to_holder(request, body, (resumed, "session"))
     tried: set[str] = set()
     while (view := registry.choose(tried)) is not None:
         tried.add(view.worker_id)
@@ -313,9 +316,9 @@ def _not_found(session_id: str, what: str, detail: str = "") -> web.Response:
     return _error(404, "session_not_found", message)
 
 
-def _holder(request: web.Request) -> WorkerView | web.Response:
+def _holder(request: web.Request, target: tuple[str, str] | None = None) -> WorkerView | web.Response:
     """The worker that holds the session a follow-up names, or the 404 a single server would give."""
-    session_id, what = _target(request)
+    session_id, what = target or _target(request)
     view = request.app[ENTRY_KEY].registry.workers.get(worker_of(session_id) or "")
     if view is None:
         hint = " (through the cluster entry, name a call by its session id)" \
@@ -326,14 +329,29 @@ def _holder(request: web.Request) -> WorkerView | web.Response:
     return view
 
 
+def _resumed_session(request: web.Request, body: bytes) -> str | None:
+    """The session a JSON offer asks to resume (``resume.session_id``), if it names one."""
+    if request.path != "/v1/rtc/offer":
+        return None
+    try:
+        resume = json.loads(body).get("resume")
+    except (ValueError, RecursionError, AttributeError):
+        return None  # not for the entry to judge: the worker answers a malformed body precisely
+    session_id = resume.get("session_id") if isinstance(resume, dict) else None
+    return session_id if isinstance(session_id, str) else None
+
+
 async def routed(request: web.Request) -> web.Response:
     """A request about one session: to the worker whose id the session id carries."""
+    return await _forward_to_holder(request, await request.read(), _target(request))
+
+
+async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[str, str]) -> web.Response:
     entry = request.app[ENTRY_KEY]
-    session_id, _ = _target(request)
-    view = _holder(request)
+    session_id = target[0]
+    view = _holder(request, target)
     if isinstance(view, web.Response):
         return view
-    body = await request.read()
     started = time.monotonic()
     try:
         response = await forward(entry.http, view.url, request, body, entry.timeout())
