@@ -19,6 +19,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "lychee-step": ("lychee_rtc.bench.lychee_step", "per-window step time of the Lychee-FD runner (tiny model, CPU)"),
     "vocoder": ("lychee_rtc.bench.token2wav_bench", "Token2Wav streaming time and RTF per hop at C1/C2/C4"),
     "telephony": ("lychee_rtc.bench.telephony", "mouth-to-ear of a phone call through the carrier WebSocket (loopback engine)"),
+    "soak": ("lychee_rtc.bench.soak", "calls that come and go for minutes; server memory, threads and fds over time"),
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),
 }
 
