@@ -48,6 +48,7 @@ async def test_health_ready_and_metrics(echo_server):
     check_response("/readyz", "GET", status, headers, body)
     status, headers, body = await request("GET", url, "/metrics")
     assert status == 200 and b"lychee_rtc_active_sessions" in body
+    assert b"process_resident_memory_bytes" in body and b"process_open_fds" in body
     status, headers, body = await request("GET", url, "/v1/sessions")
     assert status == 200
     check_response("/v1/sessions", "GET", status, headers, body)

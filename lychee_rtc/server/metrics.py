@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lychee_rtc.engine.base import WindowTiming
@@ -17,6 +17,8 @@ class ServerMetrics(SessionObserver):
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # Memory, threads' CPU and open fds of this process (process_*), for long-running servers.
+        ProcessCollector(registry=r)
         self.active_sessions = Gauge("lychee_rtc_active_sessions", "Sessions with an engine slot", registry=r)
         self.sessions_total = Counter("lychee_rtc_sessions_total", "Sessions created", registry=r)
         self.sessions_refused = Counter("lychee_rtc_sessions_refused_total", "Offers refused: capacity full", registry=r)
