@@ -4,6 +4,7 @@ one vanished), through the CLI against an echo server in this process."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -11,6 +12,7 @@ from conftest import PATIENT_WINDOWS, running_server
 from lychee_rtc.bench.cli import run_bench
 from lychee_rtc.bench.soak import PLANS
 from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
+from lychee_rtc.session.session import DuplexSession
 
 # A vanished call is suspended after media_timeout_s and freed after resume_window_s more.
 SHORT_LOSS = {"media_timeout_s": 1.5, "resume_window_s": 1.0}
@@ -29,6 +31,10 @@ async def test_a_short_soak_ends_every_call_and_leaves_no_session(tmp_path):
         status = await run_bench(args)
         assert not app[MANAGER_KEY].calls
         assert app[ENGINE_KEY].free_slots == app[ENGINE_KEY].capabilities.max_sessions
+        # And nothing of the ended calls is still reachable (a task that outlived its session's close
+        # used to keep the whole call, peer connection included).
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, DuplexSession)]
 
     report = json.loads((tmp_path / "soak.json").read_text())
     tally = report["tally"]
@@ -56,5 +62,5 @@ async def test_a_short_soak_ends_every_call_and_leaves_no_session(tmp_path):
     assert sum(report["closed_by_reason"].values()) == 4 == report["sessions_created"]
 
     markdown = (tmp_path / "soak.md").read_text()
-    assert "| t (s) | phase | RSS MB | threads | fds | active | listed | free |" in markdown
+    assert "| t (s) | phase | RSS MB | threads | fds | active | listed | free | load (1 min) |" in markdown
     assert markdown.count("\n| ") >= len(samples) + 2 + 3

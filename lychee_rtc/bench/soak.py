@@ -84,6 +84,7 @@ class Sample:
     active: int | None  # lychee_rtc_active_sessions (sessions holding an engine slot)
     listed: int | None  # sessions in /v1/sessions (suspended ones included)
     free: int | None  # free slots, /readyz
+    load1: float | None = None  # the machine's 1-minute load average: what else was running
 
 
 @dataclass
@@ -208,6 +209,14 @@ def process_stats(pid: int) -> tuple[float, int, int] | None:
     return round(rss_kb / 1024.0, 1), int(status["Threads"]), fds
 
 
+def load_average() -> float | None:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 _METRIC = re.compile(r'^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
 
 
@@ -254,7 +263,7 @@ class ServerProbe:
         return Sample(round(t_s, 1), phase, rss, threads, fds,
                       int(active[0][1]) if active else None,
                       len(listed["sessions"]) if listed and "sessions" in listed else None,
-                      ready.get("free") if ready else None)
+                      ready.get("free") if ready else None, load_average())
 
     def alive(self) -> bool:
         return self.pid is None or os.path.exists(f"/proc/{self.pid}")
@@ -339,7 +348,8 @@ def _fmt(v: Any) -> str:
 
 def format_sample(s: Sample, tally: CallTally) -> str:
     return (f"t={s.t_s:7.1f}s {s.phase:<9} rss {_fmt(s.rss_mb):>7} MB threads {_fmt(s.threads):>3} "
-            f"fds {_fmt(s.fds):>4} active {_fmt(s.active)} listed {_fmt(s.listed)} free {_fmt(s.free)} | "
+            f"fds {_fmt(s.fds):>4} active {_fmt(s.active)} listed {_fmt(s.listed)} free {_fmt(s.free)} "
+            f"load {_fmt(s.load1)} | "
             f"placed {tally.placed} completed {tally.completed} vanished {tally.vanished} "
             f"refused {tally.refused} errors {tally.errors}")
 
@@ -371,10 +381,11 @@ def format_markdown(r: SoakReport) -> str:
     ]
     for name, tr in (("RSS MB", r.rss_mb), ("threads", r.threads), ("open fds", r.fds)):
         lines.append(f"| {name} | {_fmt(tr.start)} | {_fmt(tr.end)} | {_fmt(tr.max)} | {_fmt(tr.slope_per_hour)} |")
-    lines += ["", "| t (s) | phase | RSS MB | threads | fds | active | listed | free |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| t (s) | phase | RSS MB | threads | fds | active | listed | free | load (1 min) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for s in r.samples:
         lines.append(f"| {s.t_s:.0f} | {s.phase} | {_fmt(s.rss_mb)} | {_fmt(s.threads)} | {_fmt(s.fds)} "
-                     f"| {_fmt(s.active)} | {_fmt(s.listed)} | {_fmt(s.free)} |")
+                     f"| {_fmt(s.active)} | {_fmt(s.listed)} | {_fmt(s.free)} | {_fmt(s.load1)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
 
+from lychee_rtc.aio import wait_event
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
 from lychee_rtc.session.sink import CutReport
 
@@ -157,10 +158,7 @@ class PacedAudioTrack(MediaStreamTrack):
                 break
             self._audio_arrived.clear()
             wake = (due - LIVE_LEAD_S) if ready else (due + LIVE_GRACE_S)
-            try:
-                await asyncio.wait_for(self._audio_arrived.wait(), wake - now)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._audio_arrived, wake - now)
         if self._clock() < due:
             self.counters.early_frames += 1
         excess = self.playout.depth_samples - n - int(LIVE_MARGIN_S * self.out_rate)

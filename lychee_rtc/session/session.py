@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
+from lychee_rtc.aio import wait_event
 from lychee_rtc.config import SessionSettings
 from lychee_rtc.engine.base import (
     AudioChunk,
@@ -354,11 +355,8 @@ class DuplexSession:
             delay = deadline - self.clock()
             if delay > 0:
                 self._clock_wake.clear()
-                try:
-                    await asyncio.wait_for(self._clock_wake.wait(), timeout=delay)
+                if await wait_event(self._clock_wake, delay):
                     continue  # windows moved on; recompute the deadline
-                except asyncio.TimeoutError:
-                    pass
             self.poll_clock()
 
     # --- events out --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from lychee_rtc.aio import wait_event
 from lychee_rtc.config import TelephonySettings
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener, PlayoutMark
 from lychee_rtc.session.sink import CutReport
@@ -238,10 +239,7 @@ class CarrierPlayout:
 
     async def _wait(self, event: asyncio.Event, timeout: float | None) -> None:
         event.clear()
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(event, timeout)
 
     def _send_frame(self) -> None:
         epoch = self.playout.epoch
