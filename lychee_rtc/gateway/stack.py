@@ -221,6 +221,11 @@ class TelephonyStack:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
 
+    def registrar_knows_bot(self) -> bool:
+        """True when Kamailio routes a request for the bot's URI (it holds a registration for it)."""
+        status = sip_options(self.ports.sip, self.bot_uri, timeout=2.0)
+        return status is not None and status != 404
+
     def restart(self, name: str) -> None:
         self.stop_process(name)
         (self.start_kamailio if name == "kamailio" else self.start_janus)()
@@ -246,26 +251,41 @@ class TelephonyStack:
         self.stop()
 
 
-def sip_ping(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
-    """True when something answers a SIP OPTIONS on ``host:port`` (any status line will do)."""
+def sip_options(port: int, request_uri: str | None = None, host: str = "127.0.0.1",
+                timeout: float = 0.5) -> int | None:
+    """Send one SIP OPTIONS to ``host:port`` and return the final status code (None: no answer).
+
+    With ``request_uri`` naming a registered user, a registrar that knows the user forwards the
+    request to it, and one that does not answers 404: the registrar's own view of a registration.
+    """
+    uri = request_uri or f"sip:{host}:{port}"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         local = s.getsockname()[1]
         call_id = os.urandom(6).hex()
-        msg = (f"OPTIONS sip:{host}:{port} SIP/2.0\r\n"
+        msg = (f"OPTIONS {uri} SIP/2.0\r\n"
                f"Via: SIP/2.0/UDP 127.0.0.1:{local};branch=z9hG4bK{call_id}\r\n"
                "Max-Forwards: 70\r\n"
                f"From: <sip:probe@127.0.0.1>;tag={call_id}\r\n"
-               f"To: <sip:{host}:{port}>\r\n"
+               f"To: <{uri}>\r\n"
                f"Call-ID: {call_id}@127.0.0.1\r\n"
                "CSeq: 1 OPTIONS\r\nContent-Length: 0\r\n\r\n")
         s.settimeout(timeout)
         try:
             s.sendto(msg.encode(), (host, port))
-            data = s.recv(4096)
+            while True:  # skip provisional answers (a proxy's 100 Trying)
+                status = re.match(rb"SIP/2\.0 (\d{3}) ", s.recv(4096))
+                if status is None:
+                    return None
+                if int(status[1]) >= 200:
+                    return int(status[1])
         except OSError:
-            return False
-        return data.startswith(b"SIP/2.0 ")
+            return None
+
+
+def sip_ping(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    """True when something answers a SIP OPTIONS on ``host:port`` (any status will do)."""
+    return sip_options(port, host=host, timeout=timeout) is not None
 
 
 def janus_ping(port: int, timeout: float = 2.0) -> bool:
