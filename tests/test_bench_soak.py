@@ -8,7 +8,7 @@ import gc
 import json
 import os
 
-from conftest import PATIENT_WINDOWS, running_server
+from conftest import PATIENT_WINDOWS, running_server, speech_fixture
 from lychee_rtc.bench.cli import run_bench
 from lychee_rtc.bench.soak import PLANS
 from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
@@ -27,7 +27,10 @@ async def test_a_short_soak_ends_every_call_and_leaves_no_session(tmp_path):
         # The server shares this process, so its samples include the callers: only the shape is checked.
         args = argparse.Namespace(bench="soak", extra_args=[
             "--url", url, "--pid", str(os.getpid()), "--calls", "2", "--rounds", "2", "--minutes", "10",
-            "--sample-every", "2", "--drain-timeout", "120", "--out", str(tmp_path / "soak")])
+            "--sample-every", "2", "--drain-timeout", "120", "--out", str(tmp_path / "soak"),
+            # The suite's recordings: no synthesizer needed.
+            "--wav", str(speech_fixture("Hello there. This is a test of the echo engine, one two three.")),
+            "--interjection-wav", str(speech_fixture("Wait, stop, stop please, I have a question for you.", "en+f3"))])
         status = await run_bench(args)
         assert not app[MANAGER_KEY].calls
         assert app[ENGINE_KEY].free_slots == app[ENGINE_KEY].capabilities.max_sessions

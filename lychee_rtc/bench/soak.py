@@ -410,7 +410,7 @@ async def _main(args: argparse.Namespace) -> int:
     from lychee_rtc.bench.telephony import read_wav, speech
 
     utterance = read_wav(args.wav, RATE) if args.wav else speech(args.text, RATE)
-    interjection = speech(INTERJECTION, RATE)
+    interjection = read_wav(args.interjection_wav, RATE) if args.interjection_wav else speech(INTERJECTION, RATE)
     command = "lychee-rtc " + shlex.join(sys.argv[1:]) if "bench" in sys.argv[1:] else ""
     options = dict(calls=args.calls, minutes=args.minutes, sample_every_s=args.sample_every,
                    drain_timeout_s=args.drain_timeout, utterance=utterance, interjection=interjection,
@@ -447,5 +447,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait, after the calls, for the server to hold no session (default: 180)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="what the callers say (espeak-ng)")
     p.add_argument("--wav", help="a recorded utterance (16-bit PCM WAV, any rate) instead of synthesised speech")
+    p.add_argument("--interjection-wav", help="a recorded barge-in (16-bit PCM WAV) instead of synthesised speech")
     p.add_argument("--out", help="write the report here as STEM.json and STEM.md")
     p.set_defaults(func=_main)
