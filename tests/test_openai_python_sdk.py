@@ -78,3 +78,35 @@ async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
         finally:
             await peer.close()
             await openai.close()
+
+
+async def test_a_sideband_joining_mid_answer_gets_that_answer_announced_and_done(long_utterance):
+    async with running_server(server={"auth_token": KEY}) as (url, app):
+        openai = AsyncOpenAI(api_key=KEY, base_url=f"{url}/v1", max_retries=0)
+        peer = RtcClient(url, channel_label="oai-events")
+        try:
+            answer = await openai.realtime.calls.create(sdp=strip_candidates(await peer.make_offer()))
+            call_id = answer.response.headers["location"].rsplit("/", 1)[1]
+            await peer.accept_answer(answer.text, timeout=30)
+            await peer.wait_event("session.created")
+            # The answer (an echo of several seconds of speech) is already playing when the
+            # application server attaches.
+            peer.mic.feed(long_utterance)
+            peer.mic.feed(SILENCE)
+            started = await peer.wait_event("output_audio_buffer.started", timeout=60)
+            rid = started["response_id"]
+            seen: list[dict] = []
+            async with openai.realtime.connect(call_id=call_id) as conn:
+                await next_event(conn, "session.created", seen)
+                created = await next_event(conn, "response.created", seen)
+                assert created.response.id == rid
+                done = await next_event(conn, "response.done", seen)
+                assert done.response.id == rid and done.response.status == "completed"
+                # Announced once, with its item, and the item completed.
+                assert [e["type"] for e in seen].count("response.created") == 1
+                assert done.response.output[0].id == created.response.id.replace("resp_", "item_", 1)
+                await openai.realtime.calls.hangup(call_id)
+            assert_ga_events_valid(seen)
+        finally:
+            await peer.close()
+            await openai.close()

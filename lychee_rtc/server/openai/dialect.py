@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable
@@ -67,6 +67,7 @@ class RealtimeTranslator:
         self._last_item_id: str | None = None
         self._user_item: str | None = None
         self._responses: dict[str, _Response] = {}
+        self._finished: deque[str] = deque(maxlen=8)  # ended responses, never announced again
         self._update_ignored: tuple[str, ...] | None = None  # set while this consumer's update runs
         self._voice: str | None = None
         self._created_at_wall = 0.0
@@ -143,7 +144,17 @@ class RealtimeTranslator:
         self._out("conversation.item.done", item=item, previous_item_id=previous)
 
     def _on_response_created(self, ev: dict[str, Any]) -> None:
-        rid = ev["response_id"]
+        self._announce(ev["response_id"])
+
+    def _state(self, rid: str) -> _Response | None:
+        """The response's state; one that began before this consumer attached (a sideband joining
+        mid-answer) is announced on its first event, so that its ``response.done`` still comes."""
+        state = self._responses.get(rid)
+        if state is None and rid not in self._finished:
+            state = self._announce(rid)
+        return state
+
+    def _announce(self, rid: str) -> _Response:
         state = _Response(f"item_{rid.removeprefix('resp_')}", self._last_item_id)
         if len(self._responses) >= 4:  # at most one is live; anything older was lost with its done event
             self._responses.pop(next(iter(self._responses)))
@@ -155,10 +166,11 @@ class RealtimeTranslator:
         self._out("conversation.item.added", item=item, previous_item_id=state.previous_item_id)
         self._out("response.content_part.added", response_id=rid, item_id=state.item_id, output_index=0,
                   content_index=0, part={"type": "audio", "transcript": ""})
+        return state
 
     def _on_response_output_audio_transcript_delta(self, ev: dict[str, Any]) -> None:
         rid = ev["response_id"]
-        state = self._responses.get(rid)
+        state = self._state(rid)
         if state is None:
             return
         if state.chars < MAX_TRANSCRIPT_CHARS:
@@ -178,9 +190,11 @@ class RealtimeTranslator:
 
     def _on_response_done(self, ev: dict[str, Any]) -> None:
         rid = ev["response_id"]
-        state = self._responses.pop(rid, None)
-        if state is None:  # attached after this response began: no items were announced for it
+        state = self._state(rid)
+        if state is None:
             return
+        del self._responses[rid]
+        self._finished.append(rid)
         status = ev["response"]["status"]
         reason = (ev["response"].get("status_details") or {}).get("reason")
         item = self._item(state, "completed" if status == "completed" else "incomplete")
