@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -12,10 +13,13 @@ from lychee_rtc.telephony.frames import (
     CLOSE_UNSUPPORTED_DATA,
     DTMF_DIGITS,
     AudioFormat,
+    AudioIn,
     CarrierEvent,
     DigitPressed,
     FrameError,
+    MarkPlayed,
     StreamStarted,
+    Unhandled,
 )
 
 MAX_FRAME_BYTES = 64 * 1024  # a 20-100 ms audio frame is a few kB; anything far larger is not a carrier
@@ -61,9 +65,60 @@ class Dialect(ABC):
             raise FrameError("the stream has not started")
         return self.started.audio
 
+    @property
+    def stream_id(self) -> str:
+        return self.started.stream_id if self.started else ""
+
     def frame_ms(self) -> int:
         """Outbound frame length this carrier wants."""
         return 20
+
+
+class TwilioLikeDialect(Dialect):
+    """Carriers whose frames copy Twilio's: JSON ``event`` frames, of which ``media``, ``mark``,
+    ``dtmf`` and ``connected`` have Twilio's bodies, and outbound ``media``/``mark``/``clear``.
+
+    A subclass names itself in errors (``label``), says which field carries the stream id on
+    outbound frames (``stream_key``; None: none), and parses its own ``start``, ``stop`` and extras.
+    """
+
+    label: ClassVar[str]
+    stream_key: ClassVar[str | None]
+
+    def parse(self, raw: str | bytes) -> CarrierEvent:
+        data = load_json(raw, self.label)
+        event = data.get("event")
+        if event == "media":
+            return inbound_media(obj(data, "media"))
+        if event == "mark":
+            return MarkPlayed(text(obj(data, "mark"), "name", "mark."))
+        if event == "dtmf":
+            return digit(obj(data, "dtmf").get("digit"))
+        if event == "connected":
+            return Unhandled("connected")
+        parsed = self.parse_other(event, data)
+        if parsed is None:
+            raise FrameError(f"unknown {self.label} event {event!r}")
+        return parsed
+
+    @abstractmethod
+    def parse_other(self, event: Any, data: dict[str, Any]) -> CarrierEvent | None:
+        """The carrier's own events (``start``, ``stop``, errors); None for an unknown event."""
+
+    def _frame(self, event: str, **body: Any) -> str:
+        head: dict[str, Any] = {"event": event}
+        if self.stream_key is not None:
+            head[self.stream_key] = self.stream_id
+        return json.dumps({**head, **body})
+
+    def media(self, data: bytes) -> str:
+        return self._frame("media", media={"payload": b64(data)})
+
+    def mark(self, name: str) -> str:
+        return self._frame("mark", mark={"name": name})
+
+    def clear(self) -> str:
+        return self._frame("clear")
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -125,6 +180,13 @@ def payload(media: dict[str, Any], where: str = "media.") -> bytes:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise FrameError(f"field '{where}payload' is not valid base64") from None
+
+
+def inbound_media(media: dict[str, Any]) -> CarrierEvent:
+    """A ``media`` body: the caller's audio, or nothing to act on for another track."""
+    if media.get("track", "inbound") != "inbound":
+        return Unhandled(f"media of track {media.get('track')!r}")
+    return AudioIn(payload(media), number(media.get("timestamp"), "media.timestamp"))
 
 
 def b64(data: bytes) -> str:

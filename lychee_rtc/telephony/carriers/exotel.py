@@ -7,38 +7,30 @@ of 320 bytes and at least 3,200 bytes, so frames are longer than 20 ms.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from lychee_rtc.telephony.carriers.base import (
-    Dialect,
-    b64,
-    digit,
-    load_json,
-    number,
+    TwilioLikeDialect,
     obj,
-    payload,
     rate,
     string_map,
     text,
 )
 from lychee_rtc.telephony.frames import (
     AudioFormat,
-    AudioIn,
     CarrierEvent,
-    FrameError,
-    MarkPlayed,
     StreamStarted,
     StreamStopped,
-    Unhandled,
 )
 
 MIN_CHUNK_BYTES = 3200
 CHUNK_MULTIPLE_BYTES = 320
 
 
-class ExotelDialect(Dialect):
+class ExotelDialect(TwilioLikeDialect):
     name = "exotel"
+    label = "Exotel"
+    stream_key = "stream_sid"
 
     @classmethod
     def detect(cls, first: dict[str, Any]) -> bool:
@@ -46,24 +38,13 @@ class ExotelDialect(Dialect):
         return first.get("event") == "start" and isinstance(start, dict) and "stream_sid" in start \
             and "call_sid" in start and "account_sid" in start
 
-    def parse(self, raw: str | bytes) -> CarrierEvent:
-        data = load_json(raw, "Exotel")
-        event = data.get("event")
-        if event == "media":
-            media = obj(data, "media")
-            return AudioIn(payload(media), number(media.get("timestamp"), "media.timestamp"))
-        if event == "mark":
-            return MarkPlayed(text(obj(data, "mark"), "name", "mark."))
-        if event == "dtmf":
-            return digit(obj(data, "dtmf").get("digit"))
+    def parse_other(self, event: Any, data: dict[str, Any]) -> CarrierEvent | None:
         if event == "start":
             return self._start(obj(data, "start"))
         if event == "stop":
             stop = data.get("stop") if isinstance(data.get("stop"), dict) else {}
             return StreamStopped(str(stop.get("reason", "stop")))
-        if event == "connected":
-            return Unhandled("connected")
-        raise FrameError(f"unknown Exotel event {event!r}")
+        return None
 
     def _start(self, start: dict[str, Any]) -> StreamStarted:
         fmt = start.get("media_format") or {}
@@ -79,16 +60,3 @@ class ExotelDialect(Dialect):
         while (frames * per_20ms) % CHUNK_MULTIPLE_BYTES:
             frames += 1
         return 20 * frames
-
-    @property
-    def _sid(self) -> str:
-        return self.started.stream_id if self.started else ""
-
-    def media(self, data: bytes) -> str:
-        return json.dumps({"event": "media", "stream_sid": self._sid, "media": {"payload": b64(data)}})
-
-    def mark(self, name: str) -> str:
-        return json.dumps({"event": "mark", "stream_sid": self._sid, "mark": {"name": name}})
-
-    def clear(self) -> str:
-        return json.dumps({"event": "clear", "stream_sid": self._sid})

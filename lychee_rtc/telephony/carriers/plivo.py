@@ -16,24 +16,21 @@ from lychee_rtc.telephony.carriers.base import (
     Dialect,
     b64,
     digit,
+    inbound_media,
     load_json,
-    number,
     obj,
-    payload,
     rate,
     text,
     unsupported,
 )
 from lychee_rtc.telephony.frames import (
     AudioFormat,
-    AudioIn,
     CarrierEvent,
     FrameError,
     MarkPlayed,
     PlaybackCleared,
     StreamStarted,
     StreamStopped,
-    Unhandled,
 )
 
 CONTENT_TYPES = {"audio/x-mulaw": "mulaw", "audio/x-l16": "pcm16"}
@@ -66,10 +63,7 @@ class PlivoDialect(Dialect):
         data = load_json(raw, "Plivo")
         event = data.get("event")
         if event == "media":
-            media = obj(data, "media")
-            if media.get("track", "inbound") != "inbound":
-                return Unhandled(f"media of track {media.get('track')!r}")
-            return AudioIn(payload(media), number(media.get("timestamp"), "media.timestamp"))
+            return inbound_media(obj(data, "media"))
         if event == "playedStream":
             return MarkPlayed(text(data, "name"))
         if event == "clearedAudio":
@@ -94,17 +88,13 @@ class PlivoDialect(Dialect):
                                      parse_extra_headers(data.get("extra_headers")))
         return self.started
 
-    @property
-    def _sid(self) -> str:
-        return self.started.stream_id if self.started else ""
-
     def media(self, data: bytes) -> str:
         content = "audio/x-mulaw" if self.audio.encoding == "mulaw" else "audio/x-l16"
-        return json.dumps({"event": "playAudio", "streamId": self._sid,
+        return json.dumps({"event": "playAudio", "streamId": self.stream_id,
                            "media": {"contentType": content, "sampleRate": self.audio.rate, "payload": b64(data)}})
 
     def mark(self, name: str) -> str:
-        return json.dumps({"event": "checkpoint", "streamId": self._sid, "name": name})
+        return json.dumps({"event": "checkpoint", "streamId": self.stream_id, "name": name})
 
     def clear(self) -> str:
-        return json.dumps({"event": "clearAudio", "streamId": self._sid})
+        return json.dumps({"event": "clearAudio", "streamId": self.stream_id})

@@ -7,56 +7,37 @@ echoes (queued marks come back on ``clear``) and ``error`` events.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from lychee_rtc.telephony.carriers.base import (
-    Dialect,
-    b64,
-    digit,
-    load_json,
-    number,
+    TwilioLikeDialect,
     obj,
-    payload,
     rate,
     text,
     unsupported,
 )
 from lychee_rtc.telephony.frames import (
     AudioFormat,
-    AudioIn,
     CarrierEvent,
     CarrierReported,
-    FrameError,
-    MarkPlayed,
     StreamStarted,
     StreamStopped,
-    Unhandled,
 )
 
 ENCODINGS = {"PCMU": "mulaw", "PCMA": "alaw"}
 
 
-class TelnyxDialect(Dialect):
+class TelnyxDialect(TwilioLikeDialect):
     name = "telnyx"
+    label = "Telnyx"
+    stream_key = None
 
     @classmethod
     def detect(cls, first: dict[str, Any]) -> bool:
         start = first.get("start")
         return "stream_id" in first and isinstance(start, dict) and "call_control_id" in start
 
-    def parse(self, raw: str | bytes) -> CarrierEvent:
-        data = load_json(raw, "Telnyx")
-        event = data.get("event")
-        if event == "media":
-            media = obj(data, "media")
-            if media.get("track", "inbound") != "inbound":
-                return Unhandled(f"media of track {media.get('track')!r}")
-            return AudioIn(payload(media), number(media.get("timestamp"), "media.timestamp"))
-        if event == "mark":
-            return MarkPlayed(text(obj(data, "mark"), "name", "mark."))
-        if event == "dtmf":
-            return digit(obj(data, "dtmf").get("digit"))
+    def parse_other(self, event: Any, data: dict[str, Any]) -> CarrierEvent | None:
         if event == "start":
             return self._start(data)
         if event == "stop":
@@ -65,9 +46,7 @@ class TelnyxDialect(Dialect):
             detail = data.get("payload") if isinstance(data.get("payload"), dict) else {}
             return CarrierReported(f"Telnyx error {detail.get('code', '?')}: "
                                    f"{detail.get('title', '')} {detail.get('detail', '')}".strip())
-        if event == "connected":
-            return Unhandled("connected")
-        raise FrameError(f"unknown Telnyx event {event!r}")
+        return None
 
     def _start(self, data: dict[str, Any]) -> StreamStarted:
         start = obj(data, "start")
@@ -79,12 +58,3 @@ class TelnyxDialect(Dialect):
         params = {k: str(start[k]) for k in ("client_state", "from", "to") if isinstance(start.get(k), str)}
         self.started = StreamStarted(text(start, "call_control_id", "start."), text(data, "stream_id"), audio, params)
         return self.started
-
-    def media(self, data: bytes) -> str:
-        return json.dumps({"event": "media", "media": {"payload": b64(data)}})
-
-    def mark(self, name: str) -> str:
-        return json.dumps({"event": "mark", "mark": {"name": name}})
-
-    def clear(self) -> str:
-        return json.dumps({"event": "clear"})
