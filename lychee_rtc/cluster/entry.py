@@ -208,45 +208,63 @@ def _is_full(response: web.Response) -> bool:
         return False
 
 
-async def place(request: web.Request) -> web.Response:
-    """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
-    entry = request.app[ENTRY_KEY]
+async def _on_a_worker(entry: "Entry", attempt: Callable[[WorkerView], Awaitable[Any]],
+                       full: Callable[[Any], bool]) -> tuple[WorkerView | None, Any]:
+    """Run ``attempt`` on the least-loaded worker with room, then the next, until one answers.
+
+    A worker that cannot be reached is marked down, and one whose answer is ``full`` is marked full;
+    either way the next is tried. Returns the worker and its answer, or (None, an error response)
+    when the worker failed or no worker was left to try.
+    """
     registry, metrics = entry.registry, entry.metrics
-    body = await request.read()
-    if (resumed := _resumed_session(request, body)) is not None:
-        # A resume re-attaches a session where it lives (its engine slot, its context): not placed.
-        return await _forward_to_holder(request, body, (resumed, "session"))
     tried: set[str] = set()
     while (view := registry.choose(tried)) is not None:
         tried.add(view.worker_id)
         view.pending += 1
-        started = time.monotonic()
         try:
-            response = await forward(entry.http, view.url, request, body, entry.timeout())
+            answer = await attempt(view)
         except WorkerUnreachable as exc:
             registry.mark_down(view, str(exc))
             metrics.offers.labels("unreachable").inc()
             continue
         except WorkerFailed as exc:
             metrics.offers.labels("failed").inc()
-            return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+            return None, _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
         finally:
             view.pending -= 1
-        metrics.forward_seconds.labels("offer").observe(time.monotonic() - started)
-        if _is_full(response):
+        if full(answer):
             registry.mark_full(view)
             metrics.offers.labels("worker_full").inc()
             continue
-        if response.status < 300:
-            view.placed += 1
-            metrics.offers.labels("placed").inc()
-        else:
-            metrics.offers.labels("refused").inc()
-        return response
+        return view, answer
     metrics.offers.labels("cluster_full").inc()
     if registry.count("ready") == 0:
-        return _unavailable(entry, "no_worker_ready", "no worker is ready to take a call; retry later")
-    return _unavailable(entry, "server_full", "all sessions are in use; retry later")
+        return None, _unavailable(entry, "no_worker_ready", "no worker is ready to take a call; retry later")
+    return None, _unavailable(entry, "server_full", "all sessions are in use; retry later")
+
+
+async def place(request: web.Request) -> web.Response:
+    """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
+    entry = request.app[ENTRY_KEY]
+    body = await request.read()
+    if (resumed := _resumed_session(request, body)) is not None:
+        # A resume re-attaches a session where it lives (its engine slot, its context): not placed.
+        return await _forward_to_holder(request, body, (resumed, "session"))
+
+    async def offer(view: WorkerView) -> web.Response:
+        started = time.monotonic()
+        response = await forward(entry.http, view.url, request, body, entry.timeout())
+        entry.metrics.forward_seconds.labels("offer").observe(time.monotonic() - started)
+        return response
+
+    view, response = await _on_a_worker(entry, offer, _is_full)
+    if view is not None:
+        if response.status < 300:
+            view.placed += 1
+            entry.metrics.offers.labels("placed").inc()
+        else:
+            entry.metrics.offers.labels("refused").inc()
+    return response
 
 
 async def any_worker(request: web.Request) -> web.Response:
@@ -271,30 +289,20 @@ async def place_websocket(request: web.Request) -> web.StreamResponse:
     Unlike WebRTC media, a carrier's audio is in the WebSocket itself, so it passes through the entry.
     """
     entry = request.app[ENTRY_KEY]
-    registry, metrics = entry.registry, entry.metrics
-    tried: set[str] = set()
-    while (view := registry.choose(tried)) is not None:
-        tried.add(view.worker_id)
-        view.pending += 1
-        try:
-            upstream = await open_websocket(entry.http, view.url, request, entry.settings.cluster.forward_timeout_s)
-        except WorkerUnreachable as exc:
-            registry.mark_down(view, str(exc))
-            metrics.offers.labels("unreachable").inc()
-            continue
-        except WorkerFailed as exc:
-            metrics.offers.labels("failed").inc()
-            return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
-        finally:
-            view.pending -= 1
-        if isinstance(upstream, web.Response):
-            metrics.offers.labels("refused").inc()
-            return upstream
-        view.placed += 1
-        metrics.offers.labels("placed").inc()
-        return await relay_websocket(request, upstream)
-    metrics.offers.labels("cluster_full").inc()
-    return _unavailable(entry, "server_full", "all sessions are in use; retry later")
+
+    async def connect(view: WorkerView) -> aiohttp.ClientWebSocketResponse | web.Response:
+        return await open_websocket(entry.http, view.url, request, entry.settings.cluster.forward_timeout_s)
+
+    # A worker refuses a handshake in a restated form (the body does not survive the client
+    # library), so a refusal is passed on rather than read as "full".
+    view, upstream = await _on_a_worker(entry, connect, lambda _: False)
+    if isinstance(upstream, web.Response):
+        if view is not None:
+            entry.metrics.offers.labels("refused").inc()
+        return upstream
+    view.placed += 1
+    entry.metrics.offers.labels("placed").inc()
+    return await relay_websocket(request, upstream)
 
 
 # --- follow-ups ------------------------------------------------------------------------------------
