@@ -144,6 +144,22 @@ def test_unsupported_formats_close_with_1003():
     assert err.value.close_code == 1003
 
 
+def test_exotel_start_in_either_spelling():
+    """Exotel documents snake_case fields and its sample code sends camelCase; both start a call."""
+    camel = {"event": "start", "start": {"streamSid": "MZ1", "callSid": "CA1", "accountSid": "AC1",
+                                          "customParameters": {"k": "v"},
+                                          "mediaFormat": {"encoding": "raw", "sampleRate": "16000"}}}
+    dialect = ExotelDialect()
+    started = dialect.parse(json.dumps(camel))
+    assert (started.call_id, started.stream_id, started.audio.rate, started.parameters) == \
+        ("CA1", "MZ1", 16000, {"k": "v"})
+    assert json.loads(dialect.clear()) == {"event": "clear", "stream_sid": "MZ1"}
+    snake = {"event": "start", "start": {"stream_sid": "MZ2", "call_sid": "CA2", "account_sid": "AC2"}}
+    assert ExotelDialect().parse(json.dumps(snake)).audio.rate == 8000
+    with pytest.raises(FrameError, match="start.call_sid"):
+        ExotelDialect().parse(json.dumps({"event": "start", "start": {"stream_sid": "MZ3"}}))
+
+
 def test_exotel_frames_fill_its_minimum_chunk():
     for rate, ms in ((8000, 200), (16000, 100), (24000, 80)):
         d = ExotelDialect()

@@ -47,10 +47,18 @@ class ExotelDialect(TwilioLikeDialect):
         return None
 
     def _start(self, start: dict[str, Any]) -> StreamStarted:
-        fmt = start.get("media_format") or {}
-        audio = AudioFormat("pcm16", rate(fmt.get("sample_rate", 8000), (8000, 16000, 24000), "Exotel"))
-        self.started = StreamStarted(text(start, "call_sid", "start."), text(start, "stream_sid", "start."), audio,
-                                     string_map(start.get("custom_parameters")))
+        # Exotel's documentation spells the fields in snake_case, its own sample code in camelCase
+        # and says spellings vary: either is taken (auto-detection needs the snake_case ones; a
+        # camelCase stream is told from Twilio's by the URL, /v1/telephony/ws/exotel).
+        def field(snake: str, camel: str) -> str:
+            return camel if snake not in start and camel in start else snake
+
+        fmt = start.get(field("media_format", "mediaFormat")) or {}
+        sample_rate = fmt.get("sample_rate", fmt.get("sampleRate", 8000))
+        audio = AudioFormat("pcm16", rate(sample_rate, (8000, 16000, 24000), "Exotel"))
+        self.started = StreamStarted(text(start, field("call_sid", "callSid"), "start."),
+                                     text(start, field("stream_sid", "streamSid"), "start."), audio,
+                                     string_map(start.get(field("custom_parameters", "customParameters"))))
         return self.started
 
     def frame_ms(self) -> int:
