@@ -85,7 +85,7 @@ class Namespaces:
             _run("ip", "addr", "add", f"{net.gateway}/24", "dev", net.bridge)
             _run("ip", "link", "set", net.bridge, "up")
             for i in range(count):
-                ns, host_if, ns_if = f"lrt{tag}n{i}", f"lrh{tag}{i}", f"lrp{tag}{i}"
+                ns, host_if, ns_if = f"lrt{tag}n{i}", net.host_link(i), f"lrp{tag}{i}"
                 _run("ip", "netns", "add", ns)
                 net.names.append(ns)
                 _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
@@ -102,9 +102,12 @@ class Namespaces:
     def exec_prefix(self, index: int) -> list[str]:
         return ["ip", "netns", "exec", self.names[index]]
 
-    def kill_processes(self) -> None:
+    def host_link(self, index: int) -> str:
+        return f"lrh{self.tag}{index}"
+
+    def kill_processes(self, index: int | None = None) -> None:
         """Whatever still runs inside our namespaces (Ray's daemons, workers) is ours to end."""
-        for ns in self.names:
+        for ns in self.names if index is None else [self.names[index]]:
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for pid in pids:
                 try:
@@ -117,7 +120,7 @@ class Namespaces:
         for ns in self.names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         for i in range(len(self.names)):
-            subprocess.run(["ip", "link", "del", f"lrh{self.tag}{i}"], capture_output=True)
+            subprocess.run(["ip", "link", "del", self.host_link(i)], capture_output=True)
         if self.bridge:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
@@ -179,23 +182,38 @@ class RayCluster:
 
     def _start_in_namespaces(self) -> None:
         net = self.namespaces
-        ray = str(Path(sys.executable).with_name("ray"))
-        head_ip = net.addresses[0]
-        self.address = f"{head_ip}:{RAY_PORT}"
+        self.address = f"{net.addresses[0]}:{RAY_PORT}"
         # Short: Ray's unix socket paths live under it.
-        temp = Path(f"/tmp/lrt-{net.tag}")
-        self.workdir.joinpath("ray-temp").write_text(str(temp))
+        self.workdir.joinpath("ray-temp").write_text(f"/tmp/lrt-{net.tag}")
         for index, ip in enumerate(net.addresses):
-            role = ["--head", "--port", str(RAY_PORT), "--include-dashboard=false", "--temp-dir", str(temp)] \
-                if index == 0 else ["--address", self.address]
-            log = self.workdir / f"ray-node{index}.log"
-            process = subprocess.Popen([*net.exec_prefix(index), ray, "start", *role, "--node-ip-address", ip,
-                                        *self._node_args()], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                       env=_env(), start_new_session=True)
-            self.processes.append(process)
             self.node_ips.append(ip)
-            if index == 0:
-                _wait_port(head_ip, RAY_PORT, time.monotonic() + 120, process, log)
+            self._start_node(index)
+
+    def _start_node(self, index: int) -> None:
+        net = self.namespaces
+        ray = str(Path(sys.executable).with_name("ray"))
+        ip = net.addresses[index]
+        role = ["--head", "--port", str(RAY_PORT), "--include-dashboard=false", "--temp-dir", f"/tmp/lrt-{net.tag}"] \
+            if index == 0 else ["--address", self.address]
+        log = self.workdir / f"ray-node{index}.log"
+        process = subprocess.Popen([*net.exec_prefix(index), ray, "start", *role, "--node-ip-address", ip,
+                                    *self._node_args()], stdout=log.open("a"), stderr=subprocess.STDOUT,
+                                   env=_env(), start_new_session=True)
+        self.processes.append(process)
+        if index == 0:
+            _wait_port(ip, RAY_PORT, time.monotonic() + 120, process, log)
+
+    def lose_node(self, index: int) -> None:
+        """The node drops off the network and everything on it dies, as when its machine fails:
+        nothing it had open is closed in an orderly way (no FIN, no RST reaches anyone)."""
+        net = self.namespaces
+        _run("ip", "link", "set", net.host_link(index), "down")
+        net.kill_processes(index)
+
+    def rejoin_node(self, index: int) -> None:
+        """The node is back on the network and its Ray node starts again (a repaired machine)."""
+        _run("ip", "link", "set", self.namespaces.host_link(index), "up")
+        self._start_node(index)
 
     def _start_shared(self) -> None:
         # Ray's cluster utilities, in a process of their own: Ray reads its settings (the token

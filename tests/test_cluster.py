@@ -565,3 +565,58 @@ async def test_openai_realtime_calls_through_the_entry_with_a_key_minted_there(e
     finally:
         await openai.close()
         await close_all(*calls)
+
+
+# Last in the module: it takes a node away and brings it back, which takes minutes.
+async def test_a_lost_node_is_detected_its_calls_end_and_its_worker_returns_when_the_node_rejoins(entry: Entry):
+    if not entry.isolated:
+        pytest.skip("losing one node needs each node in a network namespace of its own")
+    by_id = await settled(entry)
+    a, b = await call(entry), await call(entry)
+    late: list[RtcClient] = []
+    try:
+        survivor, victim = worker_of(a.session_id), worker_of(b.session_id)
+        assert survivor != victim
+        await audio_flows(a)
+        await audio_flows(b)
+        old = by_id[victim]
+        node = entry.cluster.node_ips.index(old["node_ip"])
+        assert node != 0, "the head node holds the entry; the test takes the other one away"
+        await asyncio.to_thread(entry.cluster.lose_node, node)
+
+        # Nothing answers any more, not even with a refusal: the entry still notices, drops the
+        # capacity to the survivor's and keeps taking calls.
+        async def dropped():
+            status, body = await readyz(entry)
+            return status == 200 and body["capacity"] == SLOTS_PER_WORKER and body
+        body = await wait_for(entry, dropped, f"capacity to drop to {SLOTS_PER_WORKER}", timeout=90)
+        assert body["workers"].get("ready") == 1
+        assert (await workers(entry))[victim]["state"] == "down"
+        c = await call(entry)
+        late.append(c)
+        assert worker_of(c.session_id) == survivor
+        await check_call_on(entry, c, by_id[survivor])
+        # The lost node's call ends for its client; the survivor's goes on.
+        await wait_until(lambda: b.pc.connectionState in ("failed", "closed"), 90,
+                         "the lost node's call to fail at its client (ICE consent)")
+        await audio_flows(a)
+
+        # The node comes back: Ray places the worker on it again (a new process) and the entry
+        # uses it.
+        await asyncio.to_thread(entry.cluster.rejoin_node, node)
+
+        last: list[Any] = [None]
+
+        async def returned():
+            w = last[0] = (await workers(entry))[victim]
+            return w["state"] == "ready" and w["boot"] != old["boot"] and w
+        again = await wait_for(entry, returned, lambda: f"worker {victim} to return with its node (last: {last[0]})",
+                               timeout=240)
+        assert again["node_ip"] == old["node_ip"]
+        assert again["lost_sessions"] >= old["lost_sessions"] + 1
+        d = await call(entry)  # the survivor is full (a and c): the returned worker takes it
+        late.append(d)
+        await check_call_on(entry, d, again)
+        await audio_flows(a)
+    finally:
+        await close_all(a, b, *late)

@@ -192,6 +192,25 @@ async def test_a_worker_still_loading_its_engine_is_starting_not_down():
     view.probe.cancel()
 
 
+async def test_a_worker_ray_is_restarting_stays_down_however_long_it_takes():
+    class Restarting(Exception):
+        pass
+
+    registry = _registry()
+    registry.restarting = lambda exc: isinstance(exc, Restarting)
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    # Its node was lost: every status request fails at once until Ray finds it room again.
+    handle.answers = [_status("w0", 4)] + [Restarting("the actor is restarting")] * (3 * DEAD_AFTER_ERRORS) \
+        + [dict(_status("w0", 4), boot="b2", pid=2)]
+    await registry._poll(view)
+    for _ in range(3 * DEAD_AFTER_ERRORS):
+        await registry._poll(view)
+        assert view.state == "down" and registry.capacity == 0
+    await registry._poll(view)
+    assert view.state == "ready" and view.restarts == 1
+
+
 async def test_a_worker_ray_gave_up_on_is_dead():
     registry = _registry()
     handle = _Handle()

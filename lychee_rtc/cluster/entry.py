@@ -53,6 +53,7 @@ class Entry:
         self.metrics = EntryMetrics()
         cluster = settings.cluster
         self.registry = Registry(self.metrics, cluster.poll_interval_s, cluster.status_timeout_s)
+        self.registry.restarting = placement.is_restarting
         self.registry.on_drained = self._retire
         self.registry.http_alive = self._http_alive
         self.http: aiohttp.ClientSession | None = None
@@ -84,6 +85,12 @@ class Entry:
                         placement.no_room_reason(cluster, resources))
         new = [worker_id(i) for i in range(count) if worker_id(i) not in self.registry.workers]
         if not new:
+            return
+        waiting = [w.worker_id for w in self.registry.workers.values() if w.state in ("starting", "down")]
+        if waiting:
+            # Room that appears while a worker is being placed or restarted is that worker's: a node
+            # that rejoins before Ray has declared its old self dead is counted twice for a while.
+            log.debug("cluster entry: room for %d more, kept for %s", len(new), ", ".join(waiting))
             return
         handles = await loop.run_in_executor(None, placement.spawn, self.settings, new)
         for worker, handle in handles.items():

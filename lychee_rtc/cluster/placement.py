@@ -102,6 +102,11 @@ def respawn(settings: Settings, worker: str) -> Any:
         worker, worker_settings(settings))
 
 
+def is_restarting(exc: BaseException) -> bool:
+    """Ray's error for a call to an actor it is restarting (after its process or node was lost)."""
+    return isinstance(exc, import_ray().exceptions.ActorUnavailableError)
+
+
 def kill(handle: Any, restart: bool) -> None:
     import_ray().kill(handle, no_restart=not restart)
 

@@ -84,6 +84,9 @@ class Registry:
         self.on_drained: Callable[[WorkerView], Awaitable[None]] | None = None
         # Given a worker's URL, None when its HTTP port answers, else why not.
         self.http_alive: Callable[[str], Awaitable[str | None]] | None = None
+        # Whether a failed status request says the actor is being restarted (Ray fails calls to a
+        # restarting actor at once); such a worker is down, however long the restart takes.
+        self.restarting: Callable[[BaseException], bool] = lambda exc: False
 
     def add(self, worker_id: str, handle: Any) -> WorkerView:
         view = self.workers[worker_id] = WorkerView(worker_id, handle)
@@ -176,10 +179,16 @@ class Registry:
             await self.on_drained(view)
 
     def _failed(self, view: WorkerView, exc: Exception) -> None:
-        # Ray queues a call to an actor it is restarting, so an immediate error again and again means
-        # it gave up on this one (restarts used up, or its constructor fails).
-        view.errors += 1
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if self.restarting(exc):
+            # Restarting can take as long as a lost node takes to be declared dead and the worker
+            # to find room elsewhere, or the node to come back: down, never given up on.
+            view.errors = 0
+            self.mark_down(view, reason)
+            return
+        # Any other immediate error again and again means Ray gave up on this one (restarts used
+        # up, or its constructor fails).
+        view.errors += 1
         if view.errors >= DEAD_AFTER_ERRORS:
             if view.state != "dead":
                 log.error("worker %s is dead: %s", view.worker_id, reason)
