@@ -157,7 +157,9 @@ class RealtimeTranslator:
     def _announce(self, rid: str) -> _Response:
         state = _Response(f"item_{rid.removeprefix('resp_')}", self._last_item_id)
         if len(self._responses) >= 4:  # at most one is live; anything older was lost with its done event
-            self._responses.pop(next(iter(self._responses)))
+            oldest = next(iter(self._responses))
+            del self._responses[oldest]
+            self._finished.append(oldest)
         self._responses[rid] = state
         item = self._item(state, "in_progress", with_content=False)
         self._remember(item)
