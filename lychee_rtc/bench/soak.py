@@ -21,11 +21,8 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shlex
 import sys
-import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -217,18 +214,14 @@ def load_average() -> float | None:
         return None
 
 
-_METRIC = re.compile(r'^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
-
-
 def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text exposition -> name -> [(labels, value)]."""
+    """Prometheus text exposition -> sample name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if m is None:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-        out.setdefault(m["name"], []).append((labels, float(m["value"])))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     return out
 
 
