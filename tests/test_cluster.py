@@ -192,6 +192,38 @@ async def close_all(*clients: RtcClient) -> None:
         await client.close()
 
 
+async def one_call_on_each_worker(entry: Entry) -> tuple[RtcClient, RtcClient]:
+    """Two calls with audio flowing: least loaded first puts them on different workers."""
+    a, b = await call(entry), await call(entry)
+    try:
+        assert worker_of(a.session_id) != worker_of(b.session_id)
+        await audio_flows(a)
+        await audio_flows(b)
+    except BaseException:
+        await close_all(a, b)
+        raise
+    return a, b
+
+
+async def capacity_drops_to_one_worker(entry: Entry, timeout: float) -> None:
+    """The entry has noticed a worker gone: it stays ready, with the survivor's capacity only."""
+    async def dropped():
+        status, body = await readyz(entry)
+        return status == 200 and body["capacity"] == SLOTS_PER_WORKER and body
+    body = await wait_for(entry, dropped, f"capacity to drop to {SLOTS_PER_WORKER}", timeout=timeout)
+    assert body["workers"].get("ready") == 1
+
+
+async def worker_returns(entry: Entry, old: dict[str, Any], what: str, timeout: float) -> dict[str, Any]:
+    """The worker ``old`` described, ready again as a new process (a new boot id)."""
+    last: list[Any] = [None]
+
+    async def returned():
+        w = last[0] = (await workers(entry))[old["worker_id"]]
+        return w["state"] == "ready" and w["boot"] != old["boot"] and w
+    return await wait_for(entry, returned, lambda: f"{what} (last: {last[0]})", timeout=timeout)
+
+
 async def _offer_sdp() -> tuple[RTCPeerConnection, str]:
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     pc.addTransceiver("audio", direction="sendrecv")
@@ -315,38 +347,25 @@ async def test_a_full_cluster_answers_503_with_retry_after(entry: Entry):
 
 async def test_a_killed_worker_ends_its_calls_only_and_comes_back(entry: Entry):
     by_id = await settled(entry)
-    a, b = await call(entry), await call(entry)
+    a, b = await one_call_on_each_worker(entry)
     late: list[RtcClient] = []
     try:
-        survivor, victim = worker_of(a.session_id), worker_of(b.session_id)
-        assert survivor != victim
-        await audio_flows(a)
-        await audio_flows(b)
+        survivor, victim = by_id[worker_of(a.session_id)], worker_of(b.session_id)
         old = by_id[victim]
         os.kill(old["pid"], signal.SIGKILL)
 
         # The entry notices: capacity drops to the survivor's, and it stays ready for calls.
-        async def dropped():
-            status, body = await readyz(entry)
-            return status == 200 and body["capacity"] == SLOTS_PER_WORKER and body
-        body = await wait_for(entry, dropped, f"capacity to drop to {SLOTS_PER_WORKER}", timeout=60)
-        assert body["workers"].get("ready") == 1
+        await capacity_drops_to_one_worker(entry, timeout=60)
         # A new call goes to the survivor; the survivor's call goes on.
-        c = await call(entry)
-        late.append(c)
-        assert worker_of(c.session_id) == survivor
-        await check_call_on(entry, c, by_id[survivor])
+        late.append(c := await call(entry))
+        await check_call_on(entry, c, survivor)
         await audio_flows(a)
 
         # Ray restarts the worker (a new process), and the entry uses it again.
-        async def restarted():
-            w = (await workers(entry))[victim]
-            return w["state"] == "ready" and w["pid"] != old["pid"] and w
-        again = await wait_for(entry, restarted, f"worker {victim} to come back", timeout=180)
-        assert again["restarts"] == old["restarts"] + 1 and again["boot"] != old["boot"]
+        again = await worker_returns(entry, old, f"worker {victim} to come back", timeout=180)
+        assert again["pid"] != old["pid"] and again["restarts"] == old["restarts"] + 1
         assert again["lost_sessions"] == old["lost_sessions"] + 1
-        d = await call(entry)  # the survivor is full (a and c): the restarted worker takes it
-        late.append(d)
+        late.append(d := await call(entry))  # the survivor is full (a and c): the restarted worker takes it
         await check_call_on(entry, d, again)
 
         # The killed worker's call has ended for its client: no more media, the connection fails.
@@ -572,13 +591,10 @@ async def test_a_lost_node_is_detected_its_calls_end_and_its_worker_returns_when
     if not entry.isolated:
         pytest.skip("losing one node needs each node in a network namespace of its own")
     by_id = await settled(entry)
-    a, b = await call(entry), await call(entry)
+    a, b = await one_call_on_each_worker(entry)
     late: list[RtcClient] = []
     try:
-        survivor, victim = worker_of(a.session_id), worker_of(b.session_id)
-        assert survivor != victim
-        await audio_flows(a)
-        await audio_flows(b)
+        survivor, victim = by_id[worker_of(a.session_id)], worker_of(b.session_id)
         old = by_id[victim]
         node = entry.cluster.node_ips.index(old["node_ip"])
         assert node != 0, "the head node holds the entry; the test takes the other one away"
@@ -586,16 +602,10 @@ async def test_a_lost_node_is_detected_its_calls_end_and_its_worker_returns_when
 
         # Nothing answers any more, not even with a refusal: the entry still notices, drops the
         # capacity to the survivor's and keeps taking calls.
-        async def dropped():
-            status, body = await readyz(entry)
-            return status == 200 and body["capacity"] == SLOTS_PER_WORKER and body
-        body = await wait_for(entry, dropped, f"capacity to drop to {SLOTS_PER_WORKER}", timeout=90)
-        assert body["workers"].get("ready") == 1
+        await capacity_drops_to_one_worker(entry, timeout=90)
         assert (await workers(entry))[victim]["state"] == "down"
-        c = await call(entry)
-        late.append(c)
-        assert worker_of(c.session_id) == survivor
-        await check_call_on(entry, c, by_id[survivor])
+        late.append(c := await call(entry))
+        await check_call_on(entry, c, survivor)
         # The lost node's call ends for its client; the survivor's goes on.
         await wait_until(lambda: b.pc.connectionState in ("failed", "closed"), 90,
                          "the lost node's call to fail at its client (ICE consent)")
@@ -604,18 +614,10 @@ async def test_a_lost_node_is_detected_its_calls_end_and_its_worker_returns_when
         # The node comes back: Ray places the worker on it again (a new process) and the entry
         # uses it.
         await asyncio.to_thread(entry.cluster.rejoin_node, node)
-
-        last: list[Any] = [None]
-
-        async def returned():
-            w = last[0] = (await workers(entry))[victim]
-            return w["state"] == "ready" and w["boot"] != old["boot"] and w
-        again = await wait_for(entry, returned, lambda: f"worker {victim} to return with its node (last: {last[0]})",
-                               timeout=240)
+        again = await worker_returns(entry, old, f"worker {victim} to return with its node", timeout=240)
         assert again["node_ip"] == old["node_ip"]
         assert again["lost_sessions"] >= old["lost_sessions"] + 1
-        d = await call(entry)  # the survivor is full (a and c): the returned worker takes it
-        late.append(d)
+        late.append(d := await call(entry))  # the survivor is full (a and c): the returned worker takes it
         await check_call_on(entry, d, again)
         await audio_flows(a)
     finally:
