@@ -180,11 +180,15 @@ class RayCluster:
         return ["--num-cpus", "1", "--resources", json.dumps({WORKER_RESOURCE: 1}),
                 "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats", "--block"]
 
+    @property
+    def temp_dir(self) -> str:
+        """Ray's temp dir on the namespaced nodes; short, because Ray's unix socket paths live under it."""
+        return f"/tmp/lrt-{self.namespaces.tag}"
+
     def _start_in_namespaces(self) -> None:
         net = self.namespaces
         self.address = f"{net.addresses[0]}:{RAY_PORT}"
-        # Short: Ray's unix socket paths live under it.
-        self.workdir.joinpath("ray-temp").write_text(f"/tmp/lrt-{net.tag}")
+        self.workdir.joinpath("ray-temp").write_text(self.temp_dir)
         for index, ip in enumerate(net.addresses):
             self.node_ips.append(ip)
             self._start_node(index)
@@ -193,7 +197,7 @@ class RayCluster:
         net = self.namespaces
         ray = str(Path(sys.executable).with_name("ray"))
         ip = net.addresses[index]
-        role = ["--head", "--port", str(RAY_PORT), "--include-dashboard=false", "--temp-dir", f"/tmp/lrt-{net.tag}"] \
+        role = ["--head", "--port", str(RAY_PORT), "--include-dashboard=false", "--temp-dir", self.temp_dir] \
             if index == 0 else ["--address", self.address]
         log = self.workdir / f"ray-node{index}.log"
         process = subprocess.Popen([*net.exec_prefix(index), ray, "start", *role, "--node-ip-address", ip,
@@ -241,7 +245,7 @@ class RayCluster:
             stop_process_group(process)
         if self.namespaces is not None:
             self.namespaces.delete()
-            shutil.rmtree(f"/tmp/lrt-{self.namespaces.tag}", ignore_errors=True)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
