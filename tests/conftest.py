@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import io
 import shutil
 import socket
@@ -80,12 +81,17 @@ def interjection() -> np.ndarray:
 async def wait_until(condition: Callable[[], Any], timeout: float = 60.0, what: str = "the condition") -> Any:
     """Poll ``condition`` until it returns something truthy (returned); fail after ``timeout`` s.
 
+    ``condition`` may return an awaitable (a probe that does I/O), which is awaited each time.
     Tests wait for what they need to have happened, never for a fixed time: on a busy machine
     everything takes longer, and the deadline is only there to end a test that hangs.
     """
+    async def check() -> Any:
+        result = condition()
+        return await result if inspect.isawaitable(result) else result
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not (result := condition()):
+    while not (result := await check()):
         if loop.time() > deadline:
             pytest.fail(f"waited {timeout:.0f} s for {what}")
         await asyncio.sleep(0.02)
