@@ -18,7 +18,8 @@ from aiortc.exceptions import InvalidStateError
 from conftest import running_server
 from fuzzcases import client_message, offer_body, sdp_offer
 from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
-from lychee_rtc.session.protocol import strict_json_loads, validate_server_event
+from lychee_rtc.jsonio import strict_json_loads
+from lychee_rtc.session.protocol import validate_server_event
 
 SEED = int(os.environ.get("LYCHEE_FUZZ_SEED", "9"))
 SCALE = float(os.environ.get("LYCHEE_FUZZ_SCALE", "1"))

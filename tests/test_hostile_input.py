@@ -14,7 +14,7 @@ from contract import check_response
 from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
 from lychee_rtc.media.peer import abandon_peer
 from lychee_rtc.server.app import ENGINE_KEY
-from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads
+from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
 
 
 async def post_offer(url: str, body: str) -> tuple[int, dict, bytes]:

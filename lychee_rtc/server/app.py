@@ -23,7 +23,8 @@ from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.sessions import Call, ResumeRefused, RtcCall, ServerFull, SessionManager
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
-from lychee_rtc.session.protocol import JsonError, strict_json_dumps, strict_json_loads, validator
+from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
+from lychee_rtc.session.protocol import validator
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import jsonschema
 
+from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.resources import shared_path
 
 log = logging.getLogger(__name__)
@@ -64,54 +64,6 @@ def client_event_types() -> list[str]:
 
 def server_event_types() -> list[str]:
     return sorted(k[len("server."):] for k in load_schema()["$defs"] if k.startswith("server."))
-
-
-class JsonError(ValueError):
-    """Text that is not strict JSON: malformed, nested too deeply, or with a non-finite number."""
-
-
-def _reject_constant(name: str) -> Any:
-    raise JsonError(f"non-finite number {name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise JsonError(f"number {text[:40]} is out of range")
-    return value
-
-
-def strict_json_loads(text: str | bytes) -> Any:
-    """``json.loads`` that never lets NaN, Infinity or an overflowing float in, and fails only with JsonError."""
-    try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except JsonError:
-        raise
-    except json.JSONDecodeError as exc:
-        raise JsonError(f"{exc.msg} at position {exc.pos}") from None
-    except RecursionError:
-        raise JsonError("nested too deeply") from None
-    except ValueError as exc:  # an integer beyond Python's digit limit, and the like
-        raise JsonError(str(exc)) from None
-
-
-def strict_json_dumps(value: Any) -> str:
-    """Compact JSON that a browser's JSON.parse accepts: a non-finite float becomes null (and is logged)."""
-    try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False)
-    except ValueError:
-        log.warning("non-finite number in outgoing JSON replaced by null: %r", value)
-        return json.dumps(_finite(value), separators=(",", ":"), allow_nan=False)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def decode_event(raw: str | bytes) -> tuple[dict[str, Any], str]:

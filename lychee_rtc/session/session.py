@@ -39,6 +39,7 @@ from lychee_rtc.engine.base import (
     WindowTiming,
 )
 from lychee_rtc.engine.scheduler import EngineSlot
+from lychee_rtc.jsonio import strict_json_dumps
 from lychee_rtc.session.clock import WindowClock
 from lychee_rtc.session.ledger import ResponseLedger, ResponseRecord
 from lychee_rtc.session.protocol import (
@@ -48,7 +49,6 @@ from lychee_rtc.session.protocol import (
     ProtocolError,
     error_body,
     parse_client_event,
-    strict_json_dumps,
 )
 from lychee_rtc.session.sink import AudioSink
 

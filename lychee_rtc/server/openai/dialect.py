@@ -25,7 +25,8 @@ from lychee_rtc.server.openai.session_config import (
     render_live_session,
     wall_clock_of,
 )
-from lychee_rtc.session.protocol import ProtocolError, check_event, decode_event, load_schema, strict_json_dumps
+from lychee_rtc.jsonio import strict_json_dumps
+from lychee_rtc.session.protocol import ProtocolError, check_event, decode_event, load_schema
 from lychee_rtc.session.session import CHANNEL_HARD_LIMIT, DuplexSession
 
 log = logging.getLogger(__name__)

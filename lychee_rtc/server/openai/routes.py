@@ -41,13 +41,8 @@ from lychee_rtc.server.openai.session_config import (
     session_options,
 )
 from lychee_rtc.server.sessions import ServerFull, SessionManager
-from lychee_rtc.session.protocol import (
-    MAX_MESSAGE_BYTES,
-    JsonError,
-    ProtocolError,
-    strict_json_dumps,
-    strict_json_loads,
-)
+from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
+from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
 
 CALLS_PATH = "/v1/realtime/calls"
 MAX_SESSION_PART_BYTES = 64 * 1024

@@ -8,7 +8,7 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from lychee_rtc.session.protocol import JsonError, strict_json_loads
+from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.telephony.frames import (
     CLOSE_UNSUPPORTED_DATA,
     DTMF_DIGITS,
