@@ -45,7 +45,7 @@ export async function openMicrophone(deviceId) {
 // The server answers only after gathering all of its own candidates and takes no trickled ones
 // from us, so the offer we post must already hold ours. Host candidates take milliseconds; the
 // bound only matters for a misconfigured STUN/TURN server.
-function iceGatheringComplete(pc, timeoutMs = 5000) {
+export function iceGatheringComplete(pc, timeoutMs = 5000) {
   if (pc.iceGatheringState === "complete") return Promise.resolve();
   return new Promise((resolve) => {
     const done = () => {
@@ -106,11 +106,14 @@ export class RtcCall {
     this.disconnectedTimer = null;
   }
 
-  /** Opens the microphone, negotiates with the server and resolves once the answer is applied. */
-  async connect({ baseUrl = "", token = "", deviceId = "", session = {} } = {}) {
+  /**
+   * Opens the microphone (or sends `stream` instead, e.g. generated audio), negotiates with the
+   * server and resolves once the answer is applied.
+   */
+  async connect({ baseUrl = "", token = "", deviceId = "", session = {}, stream = null } = {}) {
     this.baseUrl = baseUrl;
     this.auth = token ? { Authorization: `Bearer ${token}` } : {};
-    this.mic = await openMicrophone(deviceId);
+    this.mic = stream ?? await openMicrophone(deviceId);
     if (this.closed) { // disconnected while the permission prompt was up
       this.mic.getTracks().forEach((t) => t.stop());
       return;

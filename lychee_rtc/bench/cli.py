@@ -18,6 +18,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "signaling": ("lychee_rtc.bench.signaling", "offer -> answer time of running servers (a cluster entry, a worker)"),
     "lychee-step": ("lychee_rtc.bench.lychee_step", "per-window step time of the Lychee-FD runner (tiny model, CPU)"),
     "vocoder": ("lychee_rtc.bench.token2wav_bench", "Token2Wav streaming time and RTF per hop at C1/C2/C4"),
+    "browser": ("lychee_rtc.bench.browser", "the /latency tester page in headless Chromium (mouth-to-ear, response latency); prints its JSON"),
     "telephony": ("lychee_rtc.bench.telephony", "mouth-to-ear of a phone call through the carrier WebSocket (loopback engine)"),
     "soak": ("lychee_rtc.bench.soak", "calls that come and go for minutes; server memory, threads and fds over time"),
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),

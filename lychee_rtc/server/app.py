@@ -47,7 +47,7 @@ def _server_key_guard(request: web.Request) -> web.Response | None:
 @web.middleware
 async def page_headers(request: web.Request, handler: http.Handler) -> web.StreamResponse:
     response = await handler(request)
-    if request.path == "/" or request.path.startswith("/static/"):
+    if request.path in ("/", "/latency") or request.path.startswith("/static/"):
         # The page is ES modules: revalidate so an upgrade never runs a stale mix of files.
         response.headers["Cache-Control"] = "no-cache"
         response.headers["Content-Security-Policy"] = (
@@ -276,6 +276,14 @@ async def index(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(page)
 
 
+async def latency_page(request: web.Request) -> web.StreamResponse:
+    """The latency tester (web/latency.html): mouth-to-ear and response latency, measured in the browser."""
+    page = request.app[SETTINGS_KEY].web_root / "latency.html"
+    if not page.is_file():
+        return http.error_response(404, "not_found", "web client not installed")
+    return web.FileResponse(page)
+
+
 # --- application -----------------------------------------------------------------------------------
 
 
@@ -305,6 +313,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     if settings.metrics.enabled:
         app.router.add_get("/metrics", metrics)
     app.router.add_get("/", index)
+    app.router.add_get("/latency", latency_page)
     if settings.web_root.is_dir():
         app.router.add_static("/static/", settings.web_root, show_index=False)
 

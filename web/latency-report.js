@@ -1,0 +1,99 @@
+// The latency tester's numbers: percentiles, the summary, the per-probe getStats context and the
+// exports. Pure functions of plain objects (no DOM), so the page and the bench read the same JSON.
+
+/** Linear-interpolated percentile (the same method as numpy's default), or null for no values. */
+export function percentile(values, q) {
+  if (!values.length) return null;
+  const sorted = [...values].sort((a, b) => a - b);
+  const pos = ((sorted.length - 1) * q) / 100;
+  const lo = Math.floor(pos);
+  const hi = Math.ceil(pos);
+  return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo);
+}
+
+const round = (x, digits = 2) => (x === null || x === undefined || !Number.isFinite(x) ? null : Number(x.toFixed(digits)));
+
+/** p50/p90/p99/max/min/mean over the probes that were heard; lost = sent but never heard. */
+export function summarize(probes) {
+  const heard = probes.filter((p) => p.latency_ms !== null).map((p) => p.latency_ms);
+  const mean = heard.length ? heard.reduce((a, b) => a + b, 0) / heard.length : null;
+  return {
+    sent: probes.length,
+    heard: heard.length,
+    lost: probes.length - heard.length,
+    p50_ms: round(percentile(heard, 50)),
+    p90_ms: round(percentile(heard, 90)),
+    p99_ms: round(percentile(heard, 99)),
+    max_ms: round(heard.length ? Math.max(...heard) : null),
+    min_ms: round(heard.length ? Math.min(...heard) : null),
+    mean_ms: round(mean),
+  };
+}
+
+function audioStats(report, type) {
+  for (const s of report.values()) if (s.type === type && (s.kind ?? s.mediaType) === "audio") return s;
+  return null;
+}
+
+/**
+ * The receive side's state when a probe was heard, from one getStats() report and the previous
+ * one: jitter-buffer delay and target over the interval between the two (cumulative averages would
+ * hide a change), the loss and concealment counters as totals. `pairRttMs` is the ICE round trip.
+ */
+export function probeContext(report, previous, pairRttMs) {
+  const inbound = audioStats(report, "inbound-rtp");
+  const remoteInbound = audioStats(report, "remote-inbound-rtp");
+  const ctx = {
+    rtt_ms: round(pairRttMs ?? (remoteInbound?.roundTripTime !== undefined ? remoteInbound.roundTripTime * 1000 : null), 1),
+    jitter_buffer_ms: null,
+    jitter_buffer_target_ms: null,
+    jitter_buffer_minimum_ms: null,
+    packets_received: inbound?.packetsReceived ?? null,
+    packets_lost: inbound?.packetsLost ?? null,
+    concealed_samples: inbound?.concealedSamples ?? null,
+    network_jitter_ms: inbound?.jitter !== undefined ? round(inbound.jitter * 1000, 1) : null,
+  };
+  if (inbound) {
+    const prev = previous ?? {};
+    const dCount = (inbound.jitterBufferEmittedCount ?? 0) - (prev.jitterBufferEmittedCount ?? 0);
+    const per = (key) => {
+      if (inbound[key] === undefined) return null;
+      if (dCount > 0) return round((1000 * (inbound[key] - (prev[key] ?? 0))) / dCount, 1);
+      return inbound.jitterBufferEmittedCount ? round((1000 * inbound[key]) / inbound.jitterBufferEmittedCount, 1) : null;
+    };
+    ctx.jitter_buffer_ms = per("jitterBufferDelay");
+    ctx.jitter_buffer_target_ms = per("jitterBufferTargetDelay");
+    ctx.jitter_buffer_minimum_ms = per("jitterBufferMinimumDelay");
+  }
+  return ctx;
+}
+
+/** What probeContext needs of a report to difference the next one against. */
+export function inboundCounters(report) {
+  const inbound = audioStats(report, "inbound-rtp");
+  if (!inbound) return null;
+  const keys = ["jitterBufferEmittedCount", "jitterBufferDelay", "jitterBufferTargetDelay", "jitterBufferMinimumDelay"];
+  return Object.fromEntries(keys.filter((k) => inbound[k] !== undefined).map((k) => [k, inbound[k]]));
+}
+
+export const CSV_COLUMNS = [
+  "index", "sent_s", "latency_ms", "rtt_ms", "jitter_buffer_ms", "jitter_buffer_target_ms",
+  "jitter_buffer_minimum_ms", "packets_received", "packets_lost", "concealed_samples", "network_jitter_ms",
+];
+
+/** The probes as CSV (one row each; an unheard probe has an empty latency). */
+export function toCsv(result) {
+  const cell = (v) => (v === null || v === undefined ? "" : String(v));
+  const rows = result.probes.map((p) => CSV_COLUMNS.map((c) => cell(p[c])).join(","));
+  return [CSV_COLUMNS.join(","), ...rows].join("\n") + "\n";
+}
+
+/** Counts of latencies in `binMs`-wide bins from the smallest to the largest heard value. */
+export function histogram(latencies, binMs) {
+  if (!latencies.length) return { start: 0, binMs, counts: [] };
+  const start = Math.floor(Math.min(...latencies) / binMs) * binMs;
+  const bins = Math.floor((Math.max(...latencies) - start) / binMs) + 1;
+  const counts = new Array(bins).fill(0);
+  for (const x of latencies) counts[Math.floor((x - start) / binMs)] += 1;
+  return { start, binMs, counts };
+}
