@@ -57,6 +57,8 @@ const ui = {
 // A page may talk to another server than the one that served it: ?server=http://host:port
 // (the server's CORS settings must allow this origin).
 const BASE_URL = (new URLSearchParams(location.search).get("server") ?? "").replace(/\/+$/, "");
+// The latency tester measures the same server (its ?server= too).
+$("tester-link").search = location.search;
 const LOG_LIMIT = 400;
 const METRICS_WINDOWS = 10; // server timings are averaged over this many recent windows
 // Per-window chatter, hidden from the log unless asked for.

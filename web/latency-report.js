@@ -51,6 +51,9 @@ export function probeContext(report, previous, pairRttMs) {
     packets_received: inbound?.packetsReceived ?? null,
     packets_lost: inbound?.packetsLost ?? null,
     concealed_samples: inbound?.concealedSamples ?? null,
+    // Audio the jitter buffer stretched in or cut out to move its depth (time-stretching).
+    inserted_samples: inbound?.insertedSamplesForDeceleration ?? null,
+    removed_samples: inbound?.removedSamplesForAcceleration ?? null,
     network_jitter_ms: inbound?.jitter !== undefined ? round(inbound.jitter * 1000, 1) : null,
   };
   if (inbound) {
@@ -78,7 +81,8 @@ export function inboundCounters(report) {
 
 export const CSV_COLUMNS = [
   "index", "sent_s", "latency_ms", "rtt_ms", "jitter_buffer_ms", "jitter_buffer_target_ms",
-  "jitter_buffer_minimum_ms", "packets_received", "packets_lost", "concealed_samples", "network_jitter_ms",
+  "jitter_buffer_minimum_ms", "packets_received", "packets_lost", "concealed_samples", "inserted_samples",
+  "removed_samples", "network_jitter_ms", "added_delay_ms",
 ];
 
 /** The probes as CSV (one row each; an unheard probe has an empty latency). */
@@ -96,4 +100,29 @@ export function histogram(latencies, binMs) {
   const counts = new Array(bins).fill(0);
   for (const x of latencies) counts[Math.floor((x - start) / binMs)] += 1;
   return { start, binMs, counts };
+}
+
+/**
+ * Neighbouring probes with and without the self-check's delay: their differences, and the median.
+ * A pair between which the receiver concealed audio, stretched or cut audio to re-size its jitter
+ * buffer, or moved its target, straddles a change of the path's delay (a late packet, a stalled
+ * sender) besides the delay line, so it is counted apart and left out.
+ */
+export function selfCheck(probes, addedMs) {
+  const differences = [];
+  let disturbed = 0;
+  for (let k = 0; k + 1 < probes.length; k++) {
+    const [a, b] = [probes[k], probes[k + 1]];
+    if (a.latency_ms === null || b.latency_ms === null) continue;
+    const moved = ["concealed_samples", "inserted_samples", "removed_samples", "jitter_buffer_target_ms"]
+      .some((key) => a[key] !== b[key]);
+    if (moved) {
+      disturbed += 1;
+      continue;
+    }
+    const [delayed, plain] = a.added_delay_ms ? [a, b] : [b, a];
+    differences.push(Math.round((delayed.latency_ms - plain.latency_ms) * 100) / 100);
+  }
+  return { added_ms: addedMs, pairs: differences.length, disturbed_pairs: disturbed,
+    median_difference_ms: round(percentile(differences, 50)), differences_ms: differences };
 }

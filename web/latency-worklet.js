@@ -12,7 +12,7 @@
 //               {type: "level", peak, frame}                       the incoming audio's peak, 4 times a second
 
 const GATE_RMS = 0.003; // below this the input is silence: no correlation is computed
-const SCORE = 0.6; // normalised correlation that counts as the probe
+const SCORE = 0.5; // normalised correlation that counts as the probe (time-stretching lowers it)
 const ANSWER_WINDOW = 240; // 5 ms at 48 kHz: the RMS window that decides "answer audio has started"
 
 class LatencyProbe extends AudioWorkletProcessor {

@@ -6,15 +6,15 @@
 
 import { RtcCall, SignalingError, iceGatheringComplete } from "./rtc.js";
 import { readStats } from "./stats.js";
-import { CSV_COLUMNS, inboundCounters, probeContext, summarize, toCsv } from "./latency-report.js";
+import { CSV_COLUMNS, inboundCounters, probeContext, selfCheck, summarize, toCsv } from "./latency-report.js";
 import { drawHistogram, drawSeries } from "./latency-charts.js";
 
 const $ = (id) => document.getElementById(id);
 const RATE = 48000; // WebRTC's Opus rate: no resampling between the graph and the codec
 const PROBE_S = 0.02;
-// Two probe shapes (rising and falling chirp) alternate, so an echo of probe k can never be taken
-// for probe k+1; inside the 16 kHz path's band.
-const SIGNATURES = [[400, 3200], [3200, 400]];
+// Four probe shapes (chirps up and down, wide and narrow) take turns, so a late echo of probe k
+// is never taken for one of the next three; inside the 16 kHz path's band.
+const SIGNATURES = [[400, 3200], [3200, 400], [900, 2200], [2200, 900]];
 const WARMUP_S = 1.5; // connected → first probe: lets the jitter buffer settle on the stream
 const QUIET_MS = 1000; // response mode: the answer has ended after this long below the threshold
 const ANSWER_TIMEOUT_S = 20;
@@ -22,7 +22,7 @@ const ANSWER_TIMEOUT_S = 20;
 const params = new URLSearchParams(location.search);
 const form = {
   server: $("server"), signaling: $("signaling"), mode: $("mode"), probes: $("probes"),
-  interval: $("interval"), jbTarget: $("jb-target"), threshold: $("threshold"), token: $("token"),
+  interval: $("interval"), jbTarget: $("jb-target"), check: $("check"), threshold: $("threshold"), token: $("token"),
   utteranceFile: $("utterance-file"), utteranceUrl: $("utterance-url"),
 };
 const ui = {
@@ -33,7 +33,7 @@ const ui = {
 
 // Query parameters fill the form, so a run can be linked (and scripted: the bench uses them).
 for (const [key, input] of [["server", form.server], ["signaling", form.signaling], ["mode", form.mode],
-  ["probes", form.probes], ["interval_ms", form.interval], ["jitter_buffer_target_ms", form.jbTarget],
+  ["probes", form.probes], ["interval_ms", form.interval], ["jitter_buffer_target_ms", form.jbTarget], ["check_ms", form.check],
   ["threshold", form.threshold], ["utterance", form.utteranceUrl]]) {
   if (params.has(key)) input.value = params.get(key);
 }
@@ -207,6 +207,7 @@ async function run() {
     probes: Math.max(1, Math.min(10000, Number.parseInt(form.probes.value, 10) || 50)),
     intervalMs: Math.max(100, Number(form.interval.value) || 500),
     jbTargetMs: form.jbTarget.value === "" ? null : Number(form.jbTarget.value),
+    checkMs: Math.max(0, Number(form.check.value) || 0),
     threshold: Number(form.threshold.value) || 0.01,
     token: form.token.value,
   };
@@ -218,6 +219,8 @@ async function run() {
   ui.rows.replaceChildren();
   ui.summary.replaceChildren();
   window.latencyTester.result = null;
+  window.latencyTester.error = null;
+  window.latencyTester.progress = { heard: 0, lastHeard: -1 };
   const ctx = new AudioContext({ sampleRate: RATE, latencyHint: "interactive" });
   let conn = null;
   try {
@@ -232,7 +235,11 @@ async function run() {
     node.port.postMessage({ type: "mode", mode: o.mode === "response" ? "response" : "probe", threshold: o.threshold });
     const out = ctx.createMediaStreamDestination();
     out.channelCount = 1;
-    node.connect(out);
+    // The self-check's delay line: after the mouth point, so the page's bookkeeping does not see it.
+    const line = ctx.createDelay(2.0);
+    line.delayTime.value = 0;
+    node.connect(line).connect(out);
+    r.line = line;
     const silent = ctx.createGain(); // keeps the node pulled by the context's own output, inaudibly
     silent.gain.value = 0;
     node.connect(silent).connect(ctx.destination);
@@ -285,11 +292,12 @@ async function run() {
       probes_requested: o.probes,
       interval_ms: o.intervalMs,
       jitter_buffer_target_ms: o.jbTargetMs,
+      self_check: o.mode === "loopback" && o.checkMs > 0 ? selfCheck(r.probes, o.checkMs) : null,
       answer_threshold_rms: o.mode === "response" ? o.threshold : null,
       utterance: utterance ? { name: utterance.name, duration_s: round3(utterance.duration), speech_s: round3(r.speechS) } : null,
       stopped_early: r.stopped,
       incoming_peak: Math.round(r.incomingPeak * 1e4) / 1e4,
-      summary: summarize(r.probes),
+      summary: summarize(r.probes.filter((p) => !p.added_delay_ms)),
       probes: r.probes,
     };
     window.latencyTester.result = result;
@@ -312,14 +320,24 @@ async function run() {
 const round3 = (x) => (x === undefined || x === null ? null : Math.round(x * 1000) / 1000);
 
 // Loopback: probe k plays at frame start + k·interval; an echo belongs to the latest probe of the
-// same shape sent before it, within two intervals (the shape repeats every second probe).
+// same shape sent before it, within as many intervals as there are shapes (then the shape repeats).
 async function measureLoopback(r, ctx, node, templates) {
   const { probes, intervalMs } = r.options;
   const interval = Math.round((intervalMs / 1000) * ctx.sampleRate);
   const start = Math.round(ctx.currentTime * ctx.sampleRate) + Math.round(0.2 * ctx.sampleRate);
-  const limit = Math.min(2 * interval - 1, 2 * ctx.sampleRate);
+  const limit = Math.min(templates.length * interval - 1, 2 * ctx.sampleRate);
+  // Self-check: every second probe goes through a delay line of checkMs, switched in the silence
+  // half an interval before it and out half an interval after. The delay shifts the audio, not
+  // the packets: the packet clock and every jitter buffer on the path carry on as before, so the
+  // probe must come back exactly checkMs later than its neighbours.
+  const check = r.options.checkMs;
+  if (check && (check / 1000) * ctx.sampleRate + templates[0].length >= interval / 2) {
+    throw new Error("the self-check delay must be shorter than half the interval minus the 20 ms probe");
+  }
   for (let k = 0; k < probes; k++) {
-    r.probes.push({ index: k, sent_s: null, latency_ms: null, ...Object.fromEntries(CSV_COLUMNS.slice(3).map((c) => [c, null])) });
+    r.probes.push({ index: k, sent_s: null, latency_ms: null, ...Object.fromEntries(CSV_COLUMNS.slice(3).map((c) => [c, null])),
+      added_delay_ms: check && k % 2 ? check : 0 });
+    if (check && k > 0) r.line.delayTime.setValueAtTime(k % 2 ? check / 1000 : 0, (start + k * interval - interval / 2) / ctx.sampleRate);
     node.port.postMessage({ type: "play", id: k, samples: templates[k % templates.length], at: start + k * interval });
   }
   const pending = [];
@@ -388,8 +406,10 @@ async function measureResponses(r, ctx, node, analyser, utterance) {
 }
 
 function progress(r) {
-  const heard = r.probes.filter((p) => p.latency_ms !== null).length;
-  ui.progress.textContent = `${heard} heard of ${r.probes.length}`;
+  const heard = r.probes.filter((p) => p.latency_ms !== null);
+  ui.progress.textContent = `${heard.length} heard of ${r.probes.length}`;
+  // For scripts that change something mid-run (the bench's impaired path): how far the run is.
+  window.latencyTester.progress = { heard: heard.length, lastHeard: heard.length ? Math.max(...heard.map((p) => p.index)) : -1 };
 }
 
 function fmt(v, unit = " ms") {
@@ -448,4 +468,4 @@ form.mode.addEventListener("change", () => { document.body.dataset.mode = form.m
 document.body.dataset.mode = form.mode.value;
 
 // For scripts (lychee-rtc bench browser) and the console: the last run's JSON and CSV.
-window.latencyTester = { result: null, error: null, csv: () => (window.latencyTester.result ? toCsv(window.latencyTester.result) : null) };
+window.latencyTester = { result: null, error: null, progress: null, csv: () => (window.latencyTester.result ? toCsv(window.latencyTester.result) : null) };

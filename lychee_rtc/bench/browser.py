@@ -21,11 +21,14 @@ import tempfile
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import urlencode
 
 from lychee_rtc.bench.impairment import ImpairedPath, PathSettings
 from lychee_rtc.bench.server_process import spawned_server
+
+if TYPE_CHECKING:
+    from playwright.async_api import Page
 
 CHROMIUM = "/usr/bin/chromium"
 # A quiet, reproducible browser: no network chatter of its own, no GPU, a fresh profile per run.
@@ -55,6 +58,7 @@ class PageRun:
     threshold: float = 0.01  # response mode: RMS (5 ms) that counts as answer audio
     token: str = ""
     server: str = ""  # ?server=: another server than the one serving the page
+    check_ms: float = 0.0  # self-check: every second probe delayed this much after the mouth point
 
     def query(self) -> str:
         q: dict[str, Any] = {"mode": self.mode, "probes": self.probes, "interval_ms": self.interval_ms,
@@ -63,11 +67,18 @@ class PageRun:
             q["jitter_buffer_target_ms"] = self.jitter_buffer_target_ms
         if self.server:
             q["server"] = self.server
+        if self.check_ms:
+            q["check_ms"] = self.check_ms
         return urlencode(q)
 
 
-async def run_page(page_url: str, run: PageRun, *, chromium: str = CHROMIUM, timeout_s: float | None = None) -> dict:
-    """Opens ``page_url``/latency in headless Chromium, runs it, returns the page's result JSON."""
+async def run_page(page_url: str, run: PageRun, *, chromium: str = CHROMIUM, timeout_s: float | None = None,
+                   during: Callable[[Page], Awaitable[None]] | None = None) -> dict:
+    """Opens ``page_url``/latency in headless Chromium, runs it, returns the page's result JSON.
+
+    ``during(page)``, if given, runs once the measurement has started (to change the path mid-run);
+    it may read ``window.latencyTester.progress``.
+    """
     if not os.access(chromium, os.X_OK):
         raise FileNotFoundError(f"{chromium} is not an executable Chromium (Debian package 'chromium')")
     if run.mode == "response" and run.utterance is None:
@@ -92,6 +103,8 @@ async def run_page(page_url: str, run: PageRun, *, chromium: str = CHROMIUM, tim
                 if run.token:
                     await page.fill("#token", run.token)
                 await page.click("#start")  # a user gesture: the page's AudioContext may start
+                if during is not None:
+                    await during(page)
                 await page.wait_for_function(
                     """() => ["done", "error"].includes(document.getElementById("state").dataset.state)
                              && !document.getElementById("start").disabled""",
@@ -123,7 +136,7 @@ async def _main(args: argparse.Namespace) -> int:
     run = PageRun(mode=args.mode, probes=args.probes, interval_ms=args.interval_ms, signaling=args.signaling,
                   jitter_buffer_target_ms=args.jitter_buffer_target_ms,
                   utterance=Path(args.utterance) if args.utterance else None, threshold=args.threshold,
-                  token=args.token or "")
+                  token=args.token or "", check_ms=args.self_check_ms)
     path = None
     if any((args.uplink_delay_ms, args.downlink_delay_ms, args.jitter_ms, args.loss, args.through_path)):
         path = PathSettings.symmetric(delay_up_ms=args.uplink_delay_ms, delay_down_ms=args.downlink_delay_ms,
@@ -166,6 +179,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--utterance", help="response mode: a WAV file played into the call")
     p.add_argument("--threshold", type=float, default=0.01, help="response mode: answer RMS threshold (default 0.01)")
     p.add_argument("--token", help="the server key, if the server requires one")
+    p.add_argument("--self-check-ms", type=float, default=0.0,
+                   help="loopback mode: delay every second probe's audio by this much after the mouth point; "
+                        "the result's self_check shows the measured difference (default off)")
     p.add_argument("--through-path", action="store_true",
                    help="go through the user-space UDP path even with no impairment (a baseline for one)")
     p.add_argument("--uplink-delay-ms", type=float, default=0.0, help="held on the way to the server")

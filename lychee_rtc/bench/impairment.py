@@ -249,7 +249,8 @@ class ImpairedPath:
 
     def report(self) -> dict[str, Any]:
         return {"kind": "user-space UDP relay (candidates rewritten to point at it)",
-                "settings": asdict(self.settings), "calls": [r.report() for r in self.relays]}
+                "settings": asdict(self.settings),
+                "calls": [r.report() for r in self.relays]}
 
     async def _new_relay(self) -> UdpRelay:
         if len(self.relays) >= MAX_SESSIONS:

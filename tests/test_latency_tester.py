@@ -1,0 +1,218 @@
+"""The latency tester page (/latency) in headless Chromium, and the impaired UDP path it is validated with.
+
+The servers run as child processes (``lychee-rtc serve``), so their timing does not share an event
+loop with Playwright or the relay. Nothing here asserts how fast anything is: the tests assert that
+what the page measures is right (a delay added to real packets shows up as exactly that much more
+latency; a response is never timed before the engine could have answered) and that the exports
+carry the same numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import statistics
+
+import aiohttp
+import pytest
+from conftest import speech_fixture, wait_until
+
+from lychee_rtc.bench.browser import PageRun, measure, run_page
+from lychee_rtc.bench.impairment import (
+    Impairment,
+    ImpairedPath,
+    PacketFate,
+    PathSettings,
+    UdpRelay,
+    host_candidates,
+    replace_candidates,
+)
+from lychee_rtc.bench.server_process import spawned_server
+from lychee_rtc.config import load_settings
+
+ADDED_DELAY_MS = 50.0
+
+
+def heard(result: dict) -> list[float]:
+    return [p["latency_ms"] for p in result["probes"] if p["latency_ms"] is not None]
+
+
+async def test_the_page_measures_mouth_to_ear_and_exports_what_it_shows(tmp_path):
+    exported: dict[str, str] = {}
+
+    async def export(page) -> None:
+        await page.wait_for_function("() => window.latencyTester.result !== null", timeout=300_000, polling=200)
+        for button in ("#export-json", "#export-csv"):
+            async with page.expect_download() as info:
+                await page.click(button)
+            download = await info.value
+            target = tmp_path / download.suggested_filename
+            await download.save_as(target)
+            exported[button] = target.read_text()
+        exported["summary-p50"] = await page.locator("#summary-p50").inner_text()
+        exported["rows"] = str(await page.locator("#probe-rows tr").count())
+        # Drawn, not only numbers: both charts have ink on them.
+        for chart in ("#histogram", "#series"):
+            inked = await page.locator(chart).evaluate(
+                """(c) => { const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+                            let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; }""")
+            assert inked > 100, f"{chart} is blank"
+
+    async with spawned_server("loopback") as (url, _pid):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/latency") as resp:
+                assert resp.status == 200 and "latency tester" in await resp.text()
+                assert "default-src 'self'" in resp.headers["Content-Security-Policy"]
+            # The call page's latency panel links here and calls its own figure an estimate.
+            async with http.get(f"{url}/") as resp:
+                index = await resp.text()
+                assert 'href="/latency"' in index and "Mouth-to-ear (estimate)" in index
+        result = await run_page(url, PageRun(probes=12, interval_ms=300), during=export)
+
+    assert result["mode"] == "loopback" and result["signaling"] == "offer" and result["sample_rate"] == 48000
+    values = heard(result)
+    assert len(values) >= 10, result["summary"]
+    assert all(0 < v < 4 * result["interval_ms"] for v in values), values  # 4 probe shapes take turns
+    summary = result["summary"]
+    assert summary["sent"] == 12 and summary["heard"] == len(values)
+    assert summary["p50_ms"] == pytest.approx(statistics.median(values), abs=0.01)
+    assert summary["max_ms"] == max(values) and summary["min_ms"] == min(values)
+    assert summary["p50_ms"] <= summary["p90_ms"] <= summary["p99_ms"] <= summary["max_ms"]
+    # getStats context of each heard probe: the receive side was live when it was heard.
+    for p in result["probes"]:
+        if p["latency_ms"] is not None:
+            assert p["packets_received"] > 0 and p["rtt_ms"] is not None and p["jitter_buffer_ms"] is not None, p
+
+    assert json.loads(exported["#export-json"]) == result
+    rows = list(csv.DictReader(io.StringIO(exported["#export-csv"])))
+    assert [float(r["latency_ms"]) if r["latency_ms"] else None for r in rows] == [
+        p["latency_ms"] for p in result["probes"]]
+    assert exported["summary-p50"] == f"{summary['p50_ms']} ms" and exported["rows"] == "12"
+
+
+async def test_a_known_added_delay_is_measured_to_within_2_ms():
+    """The self-check delays every second probe 50 ms after the mouth point: neighbours differ by 50 ms.
+
+    The delay line shifts the audio, not the packets, so the packet clock, the server's send clock
+    and the browser's jitter buffer carry on unchanged and the whole 50 ms must reach the ear. (A
+    delay step on the packets would not do: a jitter buffer absorbs a step and then re-sizes, and a
+    new call lands on a new phase of the server's 20 ms and the browser's 10 ms clocks.)
+    """
+    async with spawned_server("loopback") as (url, _pid):
+        result = await run_page(url, PageRun(probes=30, interval_ms=300, check_ms=ADDED_DELAY_MS))
+    check = result["self_check"]
+    assert check["added_ms"] == ADDED_DELAY_MS and check["pairs"] >= 5, check
+    assert abs(check["median_difference_ms"] - ADDED_DELAY_MS) <= 2.0, check
+    # The delayed probes are kept apart from the percentiles.
+    plain = [p["latency_ms"] for p in result["probes"] if not p["added_delay_ms"] and p["latency_ms"] is not None]
+    assert result["summary"]["heard"] == len(plain)
+
+
+async def test_the_page_measures_through_an_impaired_udp_path():
+    """Every packet of the call goes through the relay; each one to the browser is held at least 50 ms."""
+    settings = PathSettings(down=Impairment(delay_ms=ADDED_DELAY_MS))
+    async with spawned_server("loopback") as (url, _pid):
+        result = await measure(url, PageRun(probes=8, interval_ms=300), path=settings)
+    assert len(heard(result)) >= 5, result["summary"]
+    assert result["page_url"] != url and result["path"]["settings"]["down"]["delay_ms"] == ADDED_DELAY_MS
+    (call,) = result["path"]["calls"]
+    assert call["up"]["packets"] > 100 and call["down"]["packets"] > 100, call
+    assert call["up"]["dropped"] == 0 and call["down"]["dropped"] == 0
+    assert call["down"]["delay_ms_min"] >= ADDED_DELAY_MS and call["up"]["delay_ms_min"] >= 0.0
+
+
+async def test_whip_signaling_measures_the_same_way():
+    async with spawned_server("loopback") as (url, _pid):
+        result = await run_page(url, PageRun(probes=6, interval_ms=300, signaling="whip"))
+    assert result["signaling"] == "whip"
+    assert len(heard(result)) >= 4, result["summary"]
+
+
+async def test_response_latency_is_timed_from_the_end_of_the_utterance():
+    """The echo engine answers only after min_silence_ms of silence: no response can be measured earlier."""
+    wav = speech_fixture("Hello there. This is a test of the echo engine, one two three.")
+    min_silence_ms = load_settings("echo").engine.echo.min_silence_ms
+    async with spawned_server("echo") as (url, _pid):
+        result = await run_page(url, PageRun(mode="response", probes=2, interval_ms=300, utterance=wav))
+    assert result["mode"] == "response" and result["utterance"]["speech_s"] > 1.0
+    values = heard(result)
+    assert len(values) == 2, result
+    assert all(v >= min_silence_ms for v in values), (values, min_silence_ms)
+
+
+# --- the impaired path itself (no browser) ----------------------------------------------------------
+
+SDP = """v=0\r
+o=- 1 2 IN IP4 0.0.0.0\r
+s=-\r
+t=0 0\r
+a=group:BUNDLE 0 1\r
+m=audio 9 UDP/TLS/RTP/SAVPF 111\r
+c=IN IP4 0.0.0.0\r
+a=mid:0\r
+a=candidate:1 1 udp 2130706431 10.0.0.5 40000 typ host\r
+a=candidate:2 1 udp 2130706431 abc.local 40001 typ host\r
+a=candidate:3 1 udp 1694498815 1.2.3.4 40002 typ srflx raddr 10.0.0.5 rport 40000\r
+a=end-of-candidates\r
+m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r
+a=mid:1\r
+a=candidate:1 1 udp 2130706431 10.0.0.5 40000 typ host\r
+"""
+
+
+def test_candidates_are_replaced_by_the_relay_in_every_media_section():
+    assert host_candidates(SDP) == [("10.0.0.5", 40000), ("abc.local", 40001), ("10.0.0.5", 40000)]
+    out = replace_candidates(SDP, "192.168.1.9", 5000)
+    assert host_candidates(out) == [("192.168.1.9", 5000), ("192.168.1.9", 5000)]
+    assert out.count("a=candidate:") == 2 and "srflx" not in out
+    assert out.index("a=candidate:") < out.index("a=end-of-candidates") < out.index("m=application")
+
+
+def test_packet_fate_is_seeded_and_keeps_the_delay_stream_apart_from_loss():
+    lossy = PacketFate(Impairment(delay_ms=10, jitter_ms=40, loss=0.05), seed=7)
+    again = PacketFate(Impairment(delay_ms=10, jitter_ms=40, loss=0.05), seed=7)
+    a = [lossy() for _ in range(4000)]
+    assert a == [again() for _ in range(4000)]
+    dropped = sum(x is None for x in a)
+    assert 0.04 < dropped / len(a) < 0.06
+    assert all(0.010 <= x <= 0.050 for x in a if x is not None)
+
+
+async def test_the_relay_holds_drops_and_reorders_real_packets_as_set():
+    """Datagrams through the relay: the seeded ones are dropped, none arrives before its delay, jitter reorders."""
+    settings = PathSettings(up=Impairment(delay_ms=30, jitter_ms=40, loss=0.1), seed=3)
+    relay = UdpRelay("127.0.0.1", settings)
+    await relay.start()
+    loop = asyncio.get_running_loop()
+    received: list[tuple[int, float]] = []
+
+    class Sink(asyncio.DatagramProtocol):
+        def datagram_received(self, data, addr):
+            received.append((int.from_bytes(data[:4], "big"), loop.time()))
+
+    server, _ = await loop.create_datagram_endpoint(Sink, local_addr=("127.0.0.1", 0))
+    client, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0))
+    relay.server_addr = server.get_extra_info("sockname")[:2]
+    expected = PacketFate(settings.up, seed=settings.seed * 1000)  # the stream relay 0's uplink draws from
+    fates = [expected() for _ in range(200)]
+    sent_at: dict[int, float] = {}
+    try:
+        for i in range(200):
+            sent_at[i] = loop.time()
+            client.sendto(i.to_bytes(4, "big") + bytes(156), relay.client_facing)
+            await asyncio.sleep(0.002)
+        survivors = {i for i, f in enumerate(fates) if f is not None}
+        await wait_until(lambda: len(received) >= len(survivors), timeout=30, what="the held packets")
+    finally:
+        relay.close()
+        server.close()
+        client.close()
+    assert {i for i, _ in received} == survivors
+    assert relay.up.packets == 200 and relay.up.dropped == 200 - len(survivors)
+    assert all(t - sent_at[i] >= 0.030 for i, t in received)
+    order = [i for i, _ in received]
+    assert order != sorted(order), "40 ms of jitter on 2 ms spacing must reorder packets"
+    assert relay.report()["up"]["delay_ms_min"] >= 30.0
+
