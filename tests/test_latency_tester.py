@@ -13,11 +13,16 @@ import asyncio
 import csv
 import io
 import json
+import shutil
 import statistics
+import subprocess
+from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 from conftest import speech_fixture, wait_until
+from strict import unavailable
 
 from lychee_rtc.bench.browser import PageRun, measure, run_page
 from lychee_rtc.bench.impairment import (
@@ -216,3 +221,53 @@ async def test_the_relay_holds_drops_and_reorders_real_packets_as_set():
     assert order != sorted(order), "40 ms of jitter on 2 ms spacing must reorder packets"
     assert relay.report()["up"]["delay_ms_min"] >= 30.0
 
+
+
+# --- the page's arithmetic (web/latency-report.js, run in Node: no DOM in it) ------------------------
+
+REPORT_CASES = """
+import * as r from "./web/latency-report.js";
+const probes = [
+  {index: 0, latency_ms: 80, concealed_samples: 0, inserted_samples: 0, removed_samples: 0, jitter_buffer_target_ms: 40, added_delay_ms: 0},
+  {index: 1, latency_ms: 130.5, concealed_samples: 0, inserted_samples: 0, removed_samples: 0, jitter_buffer_target_ms: 40, added_delay_ms: 50},
+  {index: 2, latency_ms: 80.5, concealed_samples: 0, inserted_samples: 0, removed_samples: 0, jitter_buffer_target_ms: 40, added_delay_ms: 0},
+  {index: 3, latency_ms: 171, concealed_samples: 960, inserted_samples: 0, removed_samples: 0, jitter_buffer_target_ms: 40, added_delay_ms: 50},
+  {index: 4, latency_ms: null, added_delay_ms: 0},
+];
+const stats = (o) => new Map(Object.entries(o).map(([id, s]) => [id, {id, ...s}]));
+const first = stats({in: {type: "inbound-rtp", kind: "audio", jitterBufferDelay: 4.0, jitterBufferEmittedCount: 100000,
+  jitterBufferTargetDelay: 3.0, packetsReceived: 500, packetsLost: 2, concealedSamples: 10, jitter: 0.004}});
+const second = stats({in: {type: "inbound-rtp", kind: "audio", jitterBufferDelay: 4.0 + 0.06 * 48, jitterBufferEmittedCount: 100048,
+  jitterBufferTargetDelay: 3.0 + 0.05 * 48, packetsReceived: 510, packetsLost: 3, concealedSamples: 10, jitter: 0.004}});
+console.log(JSON.stringify({
+  percentiles: [50, 90, 99].map((q) => r.percentile([10, 1, 4, 3, 2], q)),
+  summary: r.summarize(probes),
+  check: r.selfCheck(probes, 50),
+  csv: r.toCsv({probes: probes.slice(0, 2)}),
+  histogram: r.histogram([80, 80.4, 81, 83.9], 1),
+  context: r.probeContext(second, r.inboundCounters(first), 12.34),
+}));
+"""
+
+
+def test_the_page_arithmetic():
+    node = shutil.which("node")
+    if node is None:
+        unavailable("Node.js is needed to run the page's pure modules")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([node, "--input-type=module", "-e", REPORT_CASES], cwd=root, capture_output=True,
+                         text=True, check=True).stdout
+    got = json.loads(out)
+    assert got["percentiles"] == pytest.approx([float(np.percentile([10, 1, 4, 3, 2], q)) for q in (50, 90, 99)])
+    assert got["summary"]["sent"] == 5 and got["summary"]["heard"] == 4 and got["summary"]["lost"] == 1
+    assert got["summary"]["max_ms"] == 171 and got["summary"]["p50_ms"] == pytest.approx(105.5)
+    # Pairs (0,1) and (1,2) are clean; (2,3) straddles concealment and is left out.
+    assert got["check"] == {"added_ms": 50, "pairs": 2, "disturbed_pairs": 1, "median_difference_ms": 50.25,
+                            "differences_ms": [50.5, 50]}
+    rows = list(csv.DictReader(io.StringIO(got["csv"])))
+    assert [r["latency_ms"] for r in rows] == ["80", "130.5"] and rows[1]["added_delay_ms"] == "50"
+    assert got["histogram"] == {"start": 80, "binMs": 1, "counts": [2, 1, 0, 1]}
+    # Jitter-buffer delay and target over the interval between two reports (60 and 50 ms per sample).
+    ctx = got["context"]
+    assert ctx["jitter_buffer_ms"] == 60.0 and ctx["jitter_buffer_target_ms"] == 50.0
+    assert ctx["rtt_ms"] == 12.3 and ctx["packets_lost"] == 3 and ctx["network_jitter_ms"] == 4.0
