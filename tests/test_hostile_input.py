@@ -12,7 +12,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from contract import check_response
 from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
-from lychee_rtc.media.peer import abandon_peer
+from lychee_rtc.rtc.peer import abandon_peer
 from lychee_rtc.server.app import ENGINE_KEY
 from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
 
