@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lychee_rtc.bench.token2wav_bench import random_model, random_voice
-from lychee_rtc.vocoder.settings import Token2WavSettings, VocoderSettingsError
-from lychee_rtc.vocoder.streaming import VocoderStream, synthesize_hops
+from lychee_rtc.engine.lychee.token2wav_settings import Token2WavSettings, VocoderSettingsError
+from lychee_rtc.engine.lychee.token2wav_stream import VocoderStream, synthesize_hops
 from lychee_rtc.vocoder.token2wav.graphs import GraphedSolve, signature, use_cuda_graphs
 from lychee_rtc.vocoder.token2wav.model import Token2Wav
 from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder

@@ -132,7 +132,7 @@ class VocoderLoad:
         import torch
 
         from lychee_rtc.bench.token2wav_bench import random_voice
-        from lychee_rtc.vocoder.streaming import VocoderStream
+        from lychee_rtc.engine.lychee.token2wav_stream import VocoderStream
 
         self.model = model
         self.voices = [random_voice(model, prompt_tokens, seed + i) for i in range(sessions)]
@@ -145,7 +145,7 @@ class VocoderLoad:
     def window(self) -> None:
         import torch
 
-        from lychee_rtc.vocoder.streaming import synthesize_hops
+        from lychee_rtc.engine.lychee.token2wav_stream import synthesize_hops
 
         vocab = self.model.config.vocab_size
         for i, s in enumerate(self.streams):
