@@ -162,7 +162,7 @@ def _drive_state(runner: "LycheeRunner", state: str, sessions: int, audio: list,
                  k0: int) -> tuple[list[float], list[float], int]:
     """Step the open sessions until ``windows`` windows were measured with every session in ``state``."""
     from lychee_rtc.engine.base import Control, ControlKind
-    from lychee_rtc.engine.lychee.runner import Mode
+    from lychee_rtc.engine.lychee.slot import Mode
 
     want = Mode.LISTENING if state == "listen" else Mode.SPEAKING
     lm: list[float] = []

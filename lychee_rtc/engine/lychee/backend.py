@@ -38,7 +38,8 @@ from ..base import (
 from .audio import SAMPLE_RATE, WINDOW_SAMPLES
 from .checkpoint import load_model, parse_dtype
 from .graphs import GRAPH_MODES
-from .runner import LycheeRunner, RunnerSettings, SlotResult
+from .runner import LycheeRunner, RunnerSettings
+from .slot import SlotResult
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
