@@ -21,9 +21,13 @@ from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.openai import routes as realtime
+from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
+from lychee_rtc.server.openai.session_config import RealtimeProfile
 from lychee_rtc.server.sessions import Call, ResumeRefused, RtcCall, ServerFull, SessionManager
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
 from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
+from lychee_rtc.session.dialect import DialectMap
+from lychee_rtc.session.native import EVENTS_LABEL, NativeDialect
 from lychee_rtc.session.protocol import validator
 
 log = logging.getLogger(__name__)
@@ -356,7 +360,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = server_metrics
-    app[MANAGER_KEY] = SessionManager(settings, engine, server_metrics)
+    profile = RealtimeProfile.build(settings, engine.capabilities)
+    # What a WebRTC data channel speaks, by its label: the transport is handed this, not the dialects.
+    dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
+    app[MANAGER_KEY] = SessionManager(settings, engine, server_metrics, dialects)
 
     app.router.add_post("/v1/rtc/offer", offer)
     app.router.add_get("/v1/sessions", list_sessions)
@@ -365,7 +372,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_post("/whip", whip_post)
     app.router.add_patch("/whip/{resource_id}", whip_patch)
     app.router.add_delete("/whip/{resource_id}", whip_delete)
-    realtime.install(app, settings, app[MANAGER_KEY])
+    realtime.install(app, settings, app[MANAGER_KEY], profile)
     if settings.telephony.enabled:
         add_telephony_routes(app, settings, app[MANAGER_KEY])
     app.router.add_get("/healthz", healthz)

@@ -37,15 +37,14 @@ from lychee_rtc.media.sctp_guard import SctpGuard, undelivered_chunks
 from lychee_rtc.media.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.server.auth import new_session_token, new_whip_resource, secret_matches
 from lychee_rtc.server.metrics import ServerMetrics
-from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, RealtimeTranslator
-from lychee_rtc.server.openai.session_config import RealtimeProfile
+from lychee_rtc.session.dialect import DialectMap, ResumableDialect
+from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.session.session import DuplexSession
 from lychee_rtc.session.sink import AudioSink
 
 log = logging.getLogger(__name__)
 
-EVENT_CHANNEL_LABEL = "events"  # this server's own events; "oai-events" speaks OpenAI's GA dialect
 CODEC_MIME = {"opus": "audio/opus", "PCMU": "audio/PCMU", "PCMA": "audio/PCMA"}
 WATCHDOG_PERIOD_S = 0.25
 # How long a closing call waits for its last events to be handed to the transport.
@@ -118,7 +117,7 @@ class RtcCall:
     async def close_transport(self) -> None:
         """Give the last events (session.closed above all) a moment to be delivered, then drop the peer."""
         deadline = time.monotonic() + EVENT_DRAIN_S
-        while (self.session.buffered_events() > 0 or undelivered_chunks(self.pc.sctp) > 0) \
+        while (self.session.events.buffered() > 0 or undelivered_chunks(self.pc.sctp) > 0) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await abandon(self.pc, self.track)
@@ -147,8 +146,10 @@ async def abandon(pc: RTCPeerConnection, track: PacedAudioTrack) -> None:
 
 
 class SessionManager:
-    def __init__(self, settings: Settings, engine: Engine, metrics: ServerMetrics) -> None:
+    def __init__(self, settings: Settings, engine: Engine, metrics: ServerMetrics, dialects: DialectMap) -> None:
+        """``dialects``: what each data-channel label speaks (``events``, ``oai-events``), from the server."""
         self.settings = settings
+        self.dialects = dialects
         self.engine = engine
         self.metrics = metrics
         self.calls: dict[str, Call] = {}
@@ -156,7 +157,6 @@ class SessionManager:
         limit_codec_threads()
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
-        self.realtime_profile = RealtimeProfile.build(settings, engine.capabilities)
         # Put in every session id; a cluster worker sets its worker id here so that an entry can
         # route a session's follow-up requests from the id alone.
         self.id_prefix = ""
@@ -395,24 +395,17 @@ class SessionManager:
 
         @pc.on("datachannel")
         def on_datachannel(channel) -> None:
-            if call.pc is not pc:
+            factory = self.dialects.get(channel.label)
+            if call.pc is not pc or factory is None:
                 return
-            if channel.label == OAI_EVENTS_LABEL:
-                translator = RealtimeTranslator(session, self.realtime_profile, channel.send,
-                                                lambda: channel.bufferedAmount)
-                channel.on("message", translator.handle_message)
-                channel.on("close", translator.detach)
-                translator.attach()
-                return
-            if channel.label != EVENT_CHANNEL_LABEL:
-                return
-            channel.on("message", session.handle_message)
-            channel.on("close", lambda: session.detach_channel(channel.send))
-            if call.resume_from is not None:
+            dialect = factory(session, EventChannel(channel.send, lambda: channel.bufferedAmount))
+            channel.on("message", dialect.handle_message)
+            channel.on("close", dialect.detach)
+            if call.resume_from is not None and isinstance(dialect, ResumableDialect):
                 last_seq, call.resume_from = call.resume_from, None
-                session.resume_channel(channel.send, lambda: channel.bufferedAmount, last_seq)
+                dialect.resume(last_seq)
             else:
-                session.attach_channel(channel.send, lambda: channel.bufferedAmount)
+                dialect.attach()
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
