@@ -20,7 +20,6 @@ from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.call import RtcCall
-from lychee_rtc.rtc.channels import ChannelPort, Dialects
 from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.rtc.trickle import add_remote_candidates
@@ -28,11 +27,12 @@ from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.openai import routes as realtime
-from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, RealtimeTranslator
+from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
 from lychee_rtc.server.openai.session_config import RealtimeProfile
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
+from lychee_rtc.session.dialect import DialectMap
+from lychee_rtc.session.native import EVENTS_LABEL, NativeDialect
 from lychee_rtc.session.protocol import validator
-from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,6 @@ RTC_KEY = web.AppKey("rtc", RtcNegotiator)
 ENGINE_KEY = web.AppKey("engine", Engine)
 METRICS_KEY = web.AppKey("metrics", CallMetrics)
 GATEWAY_KEY = web.AppKey("gateway", object)  # the SIP gateway connector, when configured
-
-EVENT_CHANNEL_LABEL = "events"  # this server's own events; "oai-events" speaks OpenAI's GA dialect
-
 
 # --- middleware ------------------------------------------------------------------------------------
 
@@ -286,42 +283,13 @@ async def index(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(page)
 
 
-# --- data-channel dialects ------------------------------------------------------------------------
-
-
-class _NativeChannel:
-    """The session's own ``events`` protocol on one data channel (a resumed client first gets what it missed)."""
-
-    def __init__(self, session: DuplexSession, port: ChannelPort) -> None:
-        self.session, self.send = session, port.send
-        last_seq = port.take_resume_point()
-        if last_seq is not None:
-            session.resume_channel(port.send, port.buffered_amount, last_seq)
-        else:
-            session.attach_channel(port.send, port.buffered_amount)
-
-    def handle_message(self, raw: str | bytes) -> None:
-        self.session.handle_message(raw)
-
-    def detach(self) -> None:
-        self.session.detach_channel(self.send)
-
-
-def _dialects(profile: RealtimeProfile) -> Dialects:
-    def realtime_channel(session: DuplexSession, port: ChannelPort) -> RealtimeTranslator:
-        translator = RealtimeTranslator(session, profile, port.send, port.buffered_amount)
-        translator.attach()
-        return translator
-
-    return {EVENT_CHANNEL_LABEL: _NativeChannel, OAI_EVENTS_LABEL: realtime_channel}
-
-
 # --- application -----------------------------------------------------------------------------------
 
 
 def create_app(settings: Settings, engine: Engine | None = None) -> web.Application:
     install_http_log_filter()
-    app = web.Application(middlewares=[http.edge_middleware(lambda r: r.app[SETTINGS_KEY].server.cors_origins, _server_key_guard), page_headers], client_max_size=settings.server.max_sdp_bytes)
+    edge = http.edge_middleware(lambda request: request.app[SETTINGS_KEY].server.cors_origins, _server_key_guard)
+    app = web.Application(middlewares=[edge, page_headers], client_max_size=settings.server.max_sdp_bytes)
     if engine is None:
         engine = Engine(build_backend(settings), settings.session.max_pending_windows)
     call_metrics = CallMetrics()
@@ -330,7 +298,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[METRICS_KEY] = call_metrics
     registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics)
     profile = RealtimeProfile.build(settings, engine.capabilities)
-    rtc = app[RTC_KEY] = RtcNegotiator(settings, registry, _dialects(profile))
+    # What a WebRTC data channel speaks, by its label: the transport is handed this, not the dialects.
+    dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
+    rtc = app[RTC_KEY] = RtcNegotiator(settings, registry, dialects)
 
     app.router.add_post("/v1/rtc/offer", offer)
     app.router.add_get("/v1/sessions", list_sessions)

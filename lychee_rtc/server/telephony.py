@@ -24,6 +24,9 @@ from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
+from lychee_rtc.server.event_socket import EventSocket
+from lychee_rtc.session.native import NativeDialect
+from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
 from lychee_rtc.telephony.call import CarrierCall
 from lychee_rtc.telephony.carriers import DIALECTS, HANDSHAKE_EVENTS, Dialect, detect
@@ -36,15 +39,12 @@ from lychee_rtc.telephony.frames import (
     StreamStarted,
     Unhandled,
 )
-from lychee_rtc.telephony.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
 MEDIA_PATH = "/v1/telephony/ws"
 EVENTS_PATH = "/v1/telephony/calls/{call}/events"
 MAX_HANDSHAKE_FRAMES = 4  # frames a carrier may send before its start frame
-COMPANION_OUTBOX_LIMIT = 1024
-COMPANION_MAX_MESSAGE = 64 * 1024
 
 
 def _request_urls(request: web.Request, settings: Settings) -> list[str]:
@@ -166,25 +166,15 @@ class TelephonyEndpoint:
             return http.error_response(404, "call_not_found", f"no phone call {key!r}")
         if call.companion is not None:
             return http.error_response(409, "event_stream_taken", "this call already has an event stream attached")
-        ws = web.WebSocketResponse(max_msg_size=COMPANION_MAX_MESSAGE, autoping=True)
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
         await ws.prepare(request)
-        outbox = Outbox(COMPANION_OUTBOX_LIMIT)
-        call.companion = outbox
-        writer = asyncio.create_task(outbox.run(ws), name=f"events-writer-{call.session.id}")
-        session = call.session
-        session.attach_channel(outbox.put, lambda: outbox.bytes)
+        socket = EventSocket(ws, f"events-writer-{call.session.id}")
+        call.companion = socket.outbox  # closed by the call when it ends
         try:
-            async for msg in ws:
-                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    session.handle_message(msg.data)
-                elif msg.type == WSMsgType.ERROR:
-                    break
+            await socket.serve(NativeDialect(call.session, socket.channel))
         finally:
-            session.detach_channel(outbox.put)
-            if call.companion is outbox:
+            if call.companion is socket.outbox:
                 call.companion = None
-            outbox.close(1000, "event stream closed")
-            await writer
         return ws
 
 

@@ -14,12 +14,11 @@ The call id is the session id, so the call is also visible under ``/v1/sessions`
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
@@ -28,6 +27,7 @@ from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.server import auth, http
+from lychee_rtc.server.event_socket import EventSocket
 from lychee_rtc.server.openai.client_secrets import (
     DEFAULT_TTL_S,
     ClientSecret,
@@ -50,7 +50,6 @@ CALLS_PATH = "/v1/realtime/calls"
 MAX_SESSION_PART_BYTES = 64 * 1024
 MAX_PARTS = 4
 MAX_SIDEBANDS_PER_CALL = 4
-SIDEBAND_QUEUE = 1024  # events waiting for a slow sideband reader; beyond it they are dropped
 
 
 @dataclass
@@ -239,36 +238,12 @@ async def sideband(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=20.0)
     await ws.prepare(request)
     surface.sidebands[call_id] = surface.sidebands.get(call_id, 0) + 1
-    outbox: asyncio.Queue[str | None] = asyncio.Queue(maxsize=SIDEBAND_QUEUE)
-
-    def send(text: str) -> None:
-        outbox.put_nowait(text)  # QueueFull is counted as a dropped event by the translator
-
-    def ended() -> None:
-        try:
-            outbox.put_nowait(None)
-        except asyncio.QueueFull:
-            writer.cancel()
-
-    async def write() -> None:
-        while (text := await outbox.get()) is not None:
-            await ws.send_str(text)
-        await ws.close(message=b"call ended")
-
-    translator = RealtimeTranslator(call.session, surface.profile, send, on_closed=ended)
-    writer = asyncio.create_task(write(), name=f"sideband-{call_id}")
-    translator.attach()
+    socket = EventSocket(ws, f"sideband-{call_id}")
+    translator = RealtimeTranslator(call.session, socket.channel, surface.profile,
+                                    on_closed=lambda: socket.close("call ended"))
     try:
-        async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                translator.handle_message(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                translator.handle_message(msg.data)  # decoded as UTF-8 JSON, or answered with an error
+        await socket.serve(translator)
     finally:
-        translator.detach()
-        if not writer.done():
-            writer.cancel()
-        await ws.close()
         left = surface.sidebands.get(call_id, 1) - 1
         if left > 0:
             surface.sidebands[call_id] = left
