@@ -44,6 +44,8 @@ TELNYX_TOKEN = CREDENTIALS["telnyx"]["token"]
 SERVER_KEY = "sk-cluster-test-key"  # the profile's server.auth_token, shared by the entry and its workers
 ADMIN = {"Authorization": f"Bearer {SERVER_KEY}"}
 CALLS = "/v1/realtime/calls"
+# Each test starts (or waits for) Ray nodes, the entry and its workers: minutes on a busy machine.
+pytestmark = pytest.mark.timeout(900)
 
 
 @dataclass

@@ -220,7 +220,7 @@ def test_graphs_are_selected_only_on_cuda(model, tok, ckpt):
     assert LycheeEngineSettings.from_mapping(base | {"cuda_graphs": "off"}).runner_settings().cuda_graphs == "off"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture runs on a GPU")
 def test_replayed_graphs_give_the_eager_tokens(ckpt, tok):  # pragma: no cover - GPU only
     model = load_model(ckpt, dtype="fp32", device="cuda", progress=False)
     plan = {s: (0, 8) for s in (0, 1, 3)}

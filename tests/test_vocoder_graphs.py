@@ -73,7 +73,7 @@ def test_signature_tells_shapes_dtypes_and_missing_inputs_apart():
         GraphedSolve(lambda: (), max_graphs=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture runs on a GPU")
 def test_replayed_solve_streams_the_eager_audio():  # pragma: no cover - GPU only
     eager = random_model("tiny", "cuda", torch.float32)
     graphed = random_model("tiny", "cuda", torch.float32)
