@@ -43,7 +43,7 @@ def carrier_auth(provider: str, ws_url: str) -> tuple[dict[str, str], dict[str, 
     if provider == "plivo":
         return {}, {"token": creds["token"]}
     if provider == "exotel":
-        return {"Authorization": aiohttp.BasicAuth(creds["username"], creds["password"]).encode()}, {}
+        return {"Authorization": aiohttp.encode_basic_auth(creds["username"], creds["password"])}, {}
     return {"Authorization": f"Bearer {creds['token']}"}, {}
 
 
