@@ -103,10 +103,14 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
             assert updated["lychee_rtc"]["instructions"] == "unused"  # the echo engine has no prompt
             assert set(updated["lychee_rtc"]["ignored"]) == {
                 "model", "audio.input.transcription", "audio.input.turn_detection.type"}
-            # The partial update the SDK sends after session.created.
+            # A clear before any response has no response to name, so it is not answered (events are
+            # handled in order: the update after it is answered once the clear has been handled).
             n = len(client.events)
+            client.send({"type": "output_audio_buffer.clear"})
+            # The partial update the SDK sends after session.created.
             client.send({"type": "session.update", "session": {"type": "realtime", "tracing": "auto"}})
             partial = await client.wait_event("session.updated", after=n)
+            assert not client.events_of("output_audio_buffer.cleared") and not client.events_of("error")
             assert partial["lychee_rtc"]["ignored"] == ["tracing"]
             assert partial["session"]["instructions"] == SDK_SESSION["instructions"]
 
