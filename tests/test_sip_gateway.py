@@ -19,6 +19,7 @@ import pytest
 from conftest import free_port, running_server, synthesize, wait_until
 from sip_tools import (RATE, LoopbackCapture, Rtp, ensure_tools, pcmu_signal, run_sipp, sipp_uac_scenario,
                        speech_pcap, to_8k)
+from strict import unavailable
 from test_rtc_echo import best_match
 
 from lychee_rtc.gateway.janus_sip import dtmf_from_info
@@ -28,9 +29,8 @@ from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.session.protocol import validate_server_event
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="SIPp plays RTP from a raw socket and tshark "
-                                "captures on loopback: both need root")
-
+# Kamailio and Janus start once per module (inside the first test's limit) and calls last tens of seconds.
+pytestmark = pytest.mark.timeout(600)
 
 # --- pure parts ------------------------------------------------------------------------------------
 
@@ -47,6 +47,9 @@ def test_sip_info_bodies_give_keys():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> TelephonyStack:
+    """Every test that places a call uses the stack; only those need root."""
+    if os.geteuid() != 0:
+        unavailable("SIPp plays RTP from a raw socket and tshark captures on loopback: both need root")
     ensure_tools()
     logs = tmp_path_factory.mktemp("telephony")
     with TelephonyStack(StackPorts(sip=free_port(), janus_ws=free_port()), log_to=logs) as running:
