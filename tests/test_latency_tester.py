@@ -130,6 +130,17 @@ async def test_the_page_measures_through_an_impaired_udp_path():
     assert call["down"]["delay_ms_min"] >= ADDED_DELAY_MS and call["up"]["delay_ms_min"] >= 0.0
 
 
+async def test_the_plain_aiortc_relay_is_measured_the_same_way():
+    """The baseline of the comparison answers the same offer and serves the same page."""
+    from lychee_rtc.bench.aiortc_relay import spawned_relay
+
+    async with spawned_relay() as (url, _pid):
+        result = await measure(url, PageRun(probes=6, interval_ms=300), path=PathSettings())
+    assert result["signaling"] == "offer" and len(heard(result)) >= 2, result["summary"]
+    (call,) = result["path"]["calls"]
+    assert call["down"]["packets"] > 100
+
+
 async def test_whip_signaling_measures_the_same_way():
     async with spawned_server("loopback") as (url, _pid):
         result = await run_page(url, PageRun(probes=6, interval_ms=300, signaling="whip"))

@@ -132,17 +132,69 @@ async def measure(url: str, run: PageRun, *, path: PathSettings | None = None, c
         return result
 
 
+# The impairment table of docs/benchmarks.md: each condition applies both ways, seeded.
+CONDITIONS: dict[str, dict[str, float]] = {
+    "clean": {},
+    "2 % loss": {"loss": 0.02},
+    "5 % loss": {"loss": 0.05},
+    "40 ms jitter": {"jitter_ms": 40.0},
+}
+
+
+async def compare(run: PageRun, *, seed: int = 1, chromium: str = CHROMIUM) -> list[dict]:
+    """Every condition against lychee-rtc (loopback profile) and the plain aiortc relay, in one run.
+
+    Both go through the impaired path in every row, the clean one included, so the relay's own
+    cost is the same in each comparison.
+    """
+    from lychee_rtc.bench.aiortc_relay import spawned_relay
+
+    rows = []
+    async with spawned_server("loopback") as (lychee_url, _), spawned_relay() as (relay_url, _):
+        for condition, impairment in CONDITIONS.items():
+            for peer, url in (("lychee-rtc", lychee_url), ("aiortc relay", relay_url)):
+                settings = PathSettings.symmetric(seed=seed, **impairment)
+                result = await measure(url, run, path=settings, chromium=chromium)
+                rows.append({"condition": condition, "peer": peer, "summary": result["summary"],
+                             "path": result["path"], "user_agent": result["user_agent"]})
+    return rows
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = ["| condition | peer | p50 / p90 / p99 / max (ms) | heard |", "|---|---|---|---|"]
+    for row in rows:
+        s = row["summary"]
+        lines.append(f"| {row['condition']} | {row['peer']} | {s['p50_ms']} / {s['p90_ms']} / {s['p99_ms']} / "
+                     f"{s['max_ms']} | {s['heard']}/{s['sent']} |")
+    return "\n".join(lines)
+
+
 async def _main(args: argparse.Namespace) -> int:
     run = PageRun(mode=args.mode, probes=args.probes, interval_ms=args.interval_ms, signaling=args.signaling,
                   jitter_buffer_target_ms=args.jitter_buffer_target_ms,
                   utterance=Path(args.utterance) if args.utterance else None, threshold=args.threshold,
                   token=args.token or "", check_ms=args.self_check_ms)
+    if args.compare:
+        rows = await compare(run, seed=args.seed, chromium=args.chromium)
+        table = comparison_table(rows)
+        text = json.dumps({"runs": rows, "table": table}, indent=2)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(text + "\n")
+        print(table, file=sys.stderr)
+        return 0
     path = None
     if any((args.uplink_delay_ms, args.downlink_delay_ms, args.jitter_ms, args.loss, args.through_path)):
         path = PathSettings.symmetric(delay_up_ms=args.uplink_delay_ms, delay_down_ms=args.downlink_delay_ms,
                                       jitter_ms=args.jitter_ms, loss=args.loss, seed=args.seed)
     if args.url:
         result = await measure(args.url, run, path=path, chromium=args.chromium)
+    elif args.peer == "aiortc":
+        from lychee_rtc.bench.aiortc_relay import spawned_relay
+
+        async with spawned_relay() as (url, _pid):
+            result = await measure(url, run, path=path, chromium=args.chromium)
+        result["peer"] = "aiortc relay"
     else:
         config = args.config or ("loopback" if args.mode == "loopback" else "echo")
         async with spawned_server(config) as (url, _pid):
@@ -170,6 +222,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (default: start one with --config)")
     p.add_argument("--config", help="profile for the spawned server (default: loopback, or echo in response mode)")
+    p.add_argument("--peer", choices=["lychee", "aiortc"], default="lychee",
+                   help="what to spawn: a lychee-rtc server, or the plain aiortc relay (the baseline)")
+    p.add_argument("--compare", action="store_true",
+                   help="clean, 2 %% and 5 %% loss and 40 ms jitter, for lychee-rtc and the plain aiortc relay, "
+                        "in one run through the impaired path; prints the runs and a table")
     p.add_argument("--mode", choices=["loopback", "response"], default="loopback")
     p.add_argument("--probes", type=int, default=50, help="probes (response mode: utterances) (default 50)")
     p.add_argument("--interval-ms", type=float, default=500.0, help="between probes (default 500)")

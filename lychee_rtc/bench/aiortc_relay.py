@@ -1,0 +1,123 @@
+"""A plain aiortc relay: the baseline a latency comparison needs.
+
+What a server written directly on aiortc does with a call: the received audio track is sent straight
+back (aiortc's stock jitter buffer, decoder, resampler and encoder; none of lychee-rtc's media
+path). It answers the same JSON offer (``POST /v1/rtc/offer``) and serves the same tester page, so
+``lychee-rtc bench browser --peer aiortc`` measures it exactly as it measures lychee-rtc.
+
+Run by itself: ``python -m lychee_rtc.bench.aiortc_relay --port 8090``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.contrib.media import MediaRelay
+
+from lychee_rtc.bench.server_process import _free_port
+from lychee_rtc.resources import shared_path
+
+MAX_CALLS = 8
+PCS_KEY = web.AppKey("pcs", set)
+
+
+async def offer(request: web.Request) -> web.Response:
+    body = await request.json()
+    pcs: set[RTCPeerConnection] = request.app[PCS_KEY]
+    if len(pcs) >= MAX_CALLS:
+        return web.json_response({"error": {"code": "server_full", "message": "relay is full"}}, status=503)
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pcs.add(pc)
+    relay = MediaRelay()
+
+    @pc.on("track")
+    def on_track(track) -> None:
+        if track.kind == "audio":
+            pc.addTrack(relay.subscribe(track))
+
+    @pc.on("connectionstatechange")
+    async def on_state() -> None:
+        if pc.connectionState in ("failed", "closed"):
+            pcs.discard(pc)
+            await pc.close()
+
+    await pc.setRemoteDescription(RTCSessionDescription(body["sdp"], "offer"))
+    await pc.setLocalDescription(await pc.createAnswer())
+    return web.json_response({"type": "answer", "sdp": pc.localDescription.sdp, "session_id": f"relay_{id(pc):x}",
+                              "session_token": ""})
+
+
+async def page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(shared_path("web") / "latency.html")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ready"})
+
+
+def create_app() -> web.Application:
+    app = web.Application()
+    app[PCS_KEY] = set()
+    app.router.add_post("/v1/rtc/offer", offer)
+    app.router.add_get("/latency", page)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_static("/static/", shared_path("web"))
+
+    async def close_all(app: web.Application) -> None:
+        await asyncio.gather(*(pc.close() for pc in app[PCS_KEY]))
+
+    app.on_shutdown.append(close_all)
+    return app
+
+
+@asynccontextmanager
+async def spawned_relay() -> AsyncIterator[tuple[str, int]]:
+    """The relay in a child process on a free port; yields (base_url, pid) once it answers."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lychee_rtc.bench.aiortc_relay", "--port", str(port)],
+                            env=dict(os.environ), stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"aiortc relay exited with status {proc.returncode}")
+                try:
+                    async with http.get(f"{url}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("aiortc relay did not answer within 60 s")
+                await asyncio.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8090)
+    args = parser.parse_args()
+    web.run_app(create_app(), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
