@@ -284,3 +284,17 @@ def test_the_page_arithmetic():
     ctx = got["context"]
     assert ctx["jitter_buffer_ms"] == 60.0 and ctx["jitter_buffer_target_ms"] == 50.0
     assert ctx["rtt_ms"] == 12.3 and ctx["packets_lost"] == 3 and ctx["network_jitter_ms"] == 4.0
+
+
+async def test_the_aiortc_bench_goes_through_the_same_path():
+    """``bench latency --through-path``: the lossy phase drops real packets both ways on the path."""
+    from lychee_rtc.bench.latency import measure as measure_aiortc
+
+    async with spawned_server("loopback") as (url, _pid), ImpairedPath(url, PathSettings(seed=5)) as path:
+        report = await measure_aiortc(url, probes=4, interval_s=0.4, loss=0.2, jitter_ms=0.0, lossy_s=2.0,
+                                      settle_s=0.8, codec=None, seed=5, path=path)
+    assert report.phase("clean").found >= 2, report.phases
+    (call,) = report.path["calls"]
+    assert call["up"]["dropped"] > 0 and call["down"]["dropped"] > 0, call
+    losses = [c["settings"]["up"]["loss"] for c in report.path["changes"]]
+    assert 0.2 in losses and losses[-1] == 0.0, losses  # lossy phase on, then off again

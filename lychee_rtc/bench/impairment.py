@@ -224,6 +224,8 @@ class ImpairedPath:
         self.host = host or local_ipv4()
         self.relays: list[UdpRelay] = []
         self.url = ""
+        self.changes: list[dict[str, Any]] = []  # update()s: when (s after the start) and to what
+        self.started = 0.0
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
 
@@ -237,6 +239,7 @@ class ImpairedPath:
         port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
         self._http = aiohttp.ClientSession(auto_decompress=False)
+        self.started = asyncio.get_running_loop().time()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -247,9 +250,19 @@ class ImpairedPath:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def update(self, settings: PathSettings) -> None:
+        """New settings from now on, for calls already open too (their random streams go on)."""
+        self.changes.append({"at_s": round(asyncio.get_running_loop().time() - self.started, 3),
+                             "settings": asdict(settings)})
+        self.settings = settings
+        for relay in self.relays:
+            relay.settings = settings
+            relay.fate_up.impairment = settings.up
+            relay.fate_down.impairment = settings.down
+
     def report(self) -> dict[str, Any]:
         return {"kind": "user-space UDP relay (candidates rewritten to point at it)",
-                "settings": asdict(self.settings),
+                "settings": asdict(self.settings), "changes": self.changes,
                 "calls": [r.report() for r in self.relays]}
 
     async def _new_relay(self) -> UdpRelay:
@@ -299,3 +312,40 @@ class ImpairedPath:
             return sdp.encode()
         answer["sdp"] = sdp
         return json.dumps(answer).encode()
+
+
+class PathPhases:
+    """The knobs ``bench latency`` turns between its phases (``loss``, ``jitter_ms``), on a path.
+
+    Setting either applies it to the path both ways at once, from the next packet on; the delay
+    stays as the path was opened with.
+    """
+
+    def __init__(self, path: ImpairedPath, loss: float, jitter_ms: float) -> None:
+        self._path = path
+        self._loss = loss
+        self._jitter_ms = jitter_ms
+        self._apply()
+
+    def _apply(self) -> None:
+        s = self._path.settings
+        self._path.update(PathSettings(Impairment(s.up.delay_ms, self._jitter_ms, self._loss),
+                                       Impairment(s.down.delay_ms, self._jitter_ms, self._loss), s.seed))
+
+    @property
+    def loss(self) -> float:
+        return self._loss
+
+    @loss.setter
+    def loss(self, value: float) -> None:
+        self._loss = value
+        self._apply()
+
+    @property
+    def jitter_ms(self) -> float:
+        return self._jitter_ms
+
+    @jitter_ms.setter
+    def jitter_ms(self, value: float) -> None:
+        self._jitter_ms = value
+        self._apply()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from lychee_rtc.bench.client import RATE, LinkImpairment, RtcClient
+from lychee_rtc.bench.impairment import ImpairedPath, PathPhases, PathSettings
 from lychee_rtc.bench.probes import (
     SIGNATURES,
     arrival_time,
@@ -54,6 +56,7 @@ class LatencyReport:
     phases: list[PhaseStats]
     server_cpu_percent: float | None = None
     server_counters: dict[str, Any] | None = None
+    path: dict[str, Any] | None = None  # --through-path: the impaired path's settings and what it did
 
     def phase(self, name: str) -> PhaseStats | None:
         return next((p for p in self.phases if p.name == name), None)
@@ -127,11 +130,14 @@ async def run_probes(client: RtcClient, *, clean: int, lossy_s: float, settle_s:
 
 async def measure(url: str, *, probes: int, interval_s: float, loss: float, jitter_ms: float,
                   lossy_s: float, settle_s: float, codec: str | None, seed: int,
-                  client_jitter_buffer: str = "aiortc", server_pid: int | None = None) -> LatencyReport:
-    client = RtcClient(url, codec=codec, jitter_buffer=client_jitter_buffer)
+                  client_jitter_buffer: str = "aiortc", server_pid: int | None = None,
+                  path: ImpairedPath | None = None) -> LatencyReport:
+    client = RtcClient(path.url if path else url, codec=codec, jitter_buffer=client_jitter_buffer)
     await client.connect()
     impairment = None
-    if loss or jitter_ms:
+    if path is not None:  # real packets impaired on their way, both ways, instead of inside the client
+        impairment = PathPhases(path, loss, jitter_ms) if loss or jitter_ms else None
+    elif loss or jitter_ms:
         impairment = LinkImpairment(loss, jitter_ms, seed)
         client.impair_uplink(impairment)
     cpu0, wall0 = (cpu_seconds(server_pid), time.monotonic()) if server_pid else (None, None)
@@ -151,7 +157,8 @@ async def measure(url: str, *, probes: int, interval_s: float, loss: float, jitt
     finally:
         await client.close()
     return LatencyReport(url, codec or "opus", interval_s, loss, jitter_ms,
-                         [_stats(name, values) for name, values in phases.items()], cpu, counters)
+                         [_stats(name, values) for name, values in phases.items()], cpu, counters,
+                         path.report() if path else None)
 
 
 def format_report(report: LatencyReport) -> str:
@@ -170,12 +177,16 @@ async def _main(args: argparse.Namespace) -> int:
     kwargs = dict(probes=args.probes, interval_s=args.interval, loss=args.loss, jitter_ms=args.jitter_ms,
                   lossy_s=args.loss_seconds, settle_s=args.settle_seconds, codec=args.codec, seed=args.seed,
                   client_jitter_buffer=args.client_jitter_buffer)
-    if args.url:
-        report = await measure(args.url, **kwargs)
-    else:
-        env = {"LYCHEE_RTC_RTC__JITTER_BUFFER": args.server_jitter_buffer}
-        async with spawned_server(args.config, env) as (url, pid):
-            report = await measure(url, server_pid=pid, **kwargs)
+    async with contextlib.AsyncExitStack() as stack:
+        if args.url:
+            url, pid = args.url, None
+        else:
+            env = {"LYCHEE_RTC_RTC__JITTER_BUFFER": args.server_jitter_buffer}
+            url, pid = await stack.enter_async_context(spawned_server(args.config, env))
+        path = None
+        if args.through_path:
+            path = await stack.enter_async_context(ImpairedPath(url, PathSettings(seed=args.seed)))
+        report = await measure(url, server_pid=pid, path=path, **kwargs)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -200,6 +211,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jitter-ms", type=float, default=0.0, help="uplink jitter (uniform delay 0..N ms) when lossy")
     p.add_argument("--loss-seconds", type=float, default=10.0, help="length of the lossy phase")
     p.add_argument("--settle-seconds", type=float, default=3.0, help="probes ignored after the lossy phase")
+    p.add_argument("--through-path", action="store_true",
+                   help="impair real packets on a user-space UDP path (both ways, seeded) instead of dropping "
+                        "them inside the client; the result's 'path' says what the path did")
     p.add_argument("--codec", choices=["opus", "PCMU", "PCMA"], default=None)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="also write the report as JSON here")
