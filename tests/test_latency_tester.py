@@ -128,6 +128,7 @@ async def test_the_page_measures_through_an_impaired_udp_path():
     assert call["up"]["packets"] > 100 and call["down"]["packets"] > 100, call
     assert call["up"]["dropped"] == 0 and call["down"]["dropped"] == 0
     assert call["down"]["delay_ms_min"] >= ADDED_DELAY_MS and call["up"]["delay_ms_min"] >= 0.0
+    assert result["path"]["self_test"]["down"]["delay_ms_p50"] >= ADDED_DELAY_MS
 
 
 async def test_the_plain_aiortc_relay_is_measured_the_same_way():
@@ -298,3 +299,17 @@ async def test_the_aiortc_bench_goes_through_the_same_path():
     assert call["up"]["dropped"] > 0 and call["down"]["dropped"] > 0, call
     losses = [c["settings"]["up"]["loss"] for c in report.path["changes"]]
     assert 0.2 in losses and losses[-1] == 0.0, losses  # lossy phase on, then off again
+
+
+async def test_the_path_self_test_reports_what_the_path_applies():
+    from lychee_rtc.bench.impairment import self_test
+
+    settings = PathSettings(up=Impairment(delay_ms=20, jitter_ms=10, loss=0.05), down=Impairment(delay_ms=50), seed=9)
+    report = await self_test(settings, packets=300)
+    up, down = report["up"], report["down"]
+    fate = PacketFate(settings.up, seed=9 * 1000 + 2 * 16)  # the stream the self-test's relay draws from
+    fate()  # the greeting that tells the relay where the client is
+    dropped = sum(fate() is None for _ in range(300))
+    assert up["received"] == 300 - dropped and down["received"] == 300  # the seeded drops, and only those
+    assert up["delay_ms_p50"] >= 20 and down["delay_ms_p50"] >= 50 and down["delay_ms_mean"] >= 50
+    assert up["reordered"] > 0 and report["settings"]["down"]["delay_ms"] == 50

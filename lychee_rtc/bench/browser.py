@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import urlencode
 
-from lychee_rtc.bench.impairment import ImpairedPath, PathSettings
+from lychee_rtc.bench.impairment import ImpairedPath, PathSettings, self_test
 from lychee_rtc.bench.server_process import spawned_server
 
 if TYPE_CHECKING:
@@ -122,13 +122,15 @@ async def measure(url: str, run: PageRun, *, path: PathSettings | None = None, c
     async with AsyncExitStack() as stack:
         page_url = url
         relay = None
+        check = None
         if path is not None:
+            check = await self_test(path)  # what this path does to packets, before the call uses it
             relay = await stack.enter_async_context(ImpairedPath(url, path))
             page_url = relay.url
         result = await run_page(page_url, run, chromium=chromium)
         result["page_url"] = page_url
         if relay is not None:
-            result["path"] = relay.report()
+            result["path"] = {**relay.report(), "self_test": check}
         return result
 
 

@@ -157,6 +157,59 @@ class UdpRelay:
                 t.close()
 
 
+# --- self-test -------------------------------------------------------------------------------------
+
+
+async def self_test(settings: PathSettings, packets: int = 400, spacing_s: float = 0.002) -> dict[str, Any]:
+    """Sends ``packets`` numbered datagrams each way through a relay on this host and reports what
+    arrived: loss, one-way delay (send → receipt at the far socket) and how many came out of order,
+    next to the settings, so a run can show the path applies what it claims."""
+    loop = asyncio.get_running_loop()
+    relay = UdpRelay("127.0.0.1", settings, index=MAX_SESSIONS)  # streams no call of a path uses
+    await relay.start()
+    arrivals: dict[str, list[tuple[int, float]]] = {"up": [], "down": []}
+
+    class End(asyncio.DatagramProtocol):
+        def __init__(self, direction: str) -> None:
+            self.direction = direction
+
+        def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+            if len(data) == 164:
+                arrivals[self.direction].append((int.from_bytes(data[:4], "big"), loop.time()))
+
+    server, _ = await loop.create_datagram_endpoint(lambda: End("up"), local_addr=("127.0.0.1", 0))
+    client, _ = await loop.create_datagram_endpoint(lambda: End("down"), local_addr=("127.0.0.1", 0))
+    relay.server_addr = server.get_extra_info("sockname")[:2]
+    sent: dict[str, dict[int, float]] = {"up": {}, "down": {}}
+    try:
+        client.sendto(b"hello", relay.client_facing)  # the relay learns where the client is
+        await asyncio.sleep(0.05)
+        for i in range(packets):
+            for direction, sock, target in (("up", client, relay.client_facing), ("down", server, relay.server_facing)):
+                sent[direction][i] = loop.time()
+                sock.sendto(i.to_bytes(4, "big") + bytes(160), target)
+            await asyncio.sleep(spacing_s)
+        longest = max(settings.up.delay_ms + settings.up.jitter_ms, settings.down.delay_ms + settings.down.jitter_ms)
+        await asyncio.sleep(longest / 1000 + 0.5)
+    finally:
+        relay.close()
+        server.close()
+        client.close()
+    out: dict[str, Any] = {"settings": asdict(settings), "packets": packets}
+    for direction in ("up", "down"):
+        got = arrivals[direction]
+        delays = sorted(1000 * (t - sent[direction][i]) for i, t in got)
+        order = [i for i, _ in got]
+        out[direction] = {
+            "received": len(got), "loss": round(1 - len(got) / packets, 4),
+            "delay_ms_mean": round(sum(delays) / len(delays), 3) if delays else None,
+            "delay_ms_p50": round(delays[len(delays) // 2], 3) if delays else None,
+            "delay_ms_max": round(delays[-1], 3) if delays else None,
+            "reordered": sum(1 for a, b in zip(order, order[1:]) if b < a),
+        }
+    return out
+
+
 # --- SDP -------------------------------------------------------------------------------------------
 
 _CANDIDATE = re.compile(r"^a=candidate:\S+ (\d+) (\S+) \d+ (\S+) (\d+) typ (\S+)", re.IGNORECASE)
