@@ -142,6 +142,13 @@ async def test_the_plain_aiortc_relay_is_measured_the_same_way():
     assert call["down"]["packets"] > 100
 
 
+async def test_server_parameter_measures_another_server():
+    """The page comes from an echo server (chirps never come back from it); ?server= points at a loopback one."""
+    async with spawned_server("echo") as (page_host, _), spawned_server("loopback") as (target, _):
+        result = await run_page(page_host, PageRun(probes=6, interval_ms=300, server=target))
+    assert result["server"] == target and len(heard(result)) >= 2, result["summary"]
+
+
 async def test_whip_signaling_measures_the_same_way():
     async with spawned_server("loopback") as (url, _pid):
         result = await run_page(url, PageRun(probes=6, interval_ms=300, signaling="whip"))
