@@ -103,26 +103,30 @@ export function histogram(latencies, binMs) {
 }
 
 /**
- * Neighbouring probes with and without the self-check's delay: their differences, and the median.
- * A pair between which the receiver concealed audio, stretched or cut audio to re-size its jitter
- * buffer, or moved its target, straddles a change of the path's delay (a late packet, a stalled
- * sender) besides the delay line, so it is counted apart and left out.
+ * The self-check: each delayed probe against the mean of its two undelayed neighbours. A triplet
+ * counts only if nothing moved the path's delay across it: the two neighbours agree to within
+ * NEIGHBOURS_AGREE_MS (a sender that stalled or cut a backlog shifts every later probe, so they
+ * would differ), and the receiver neither concealed audio, time-stretched, nor moved its target
+ * between them. Triplets that fail this are counted apart (`disturbed`).
  */
+export const NEIGHBOURS_AGREE_MS = 1.0;
+
 export function selfCheck(probes, addedMs) {
   const differences = [];
   let disturbed = 0;
-  for (let k = 0; k + 1 < probes.length; k++) {
-    const [a, b] = [probes[k], probes[k + 1]];
-    if (a.latency_ms === null || b.latency_ms === null) continue;
-    const moved = ["concealed_samples", "inserted_samples", "removed_samples", "jitter_buffer_target_ms"]
-      .some((key) => a[key] !== b[key]);
-    if (moved) {
+  const counters = ["concealed_samples", "inserted_samples", "removed_samples", "jitter_buffer_target_ms"];
+  for (let k = 1; k + 1 < probes.length; k++) {
+    const [before, probe, after] = [probes[k - 1], probes[k], probes[k + 1]];
+    if (!probe.added_delay_ms || before.added_delay_ms || after.added_delay_ms) continue;
+    if ([before, probe, after].some((p) => p.latency_ms === null)) continue;
+    const steady = Math.abs(after.latency_ms - before.latency_ms) <= NEIGHBOURS_AGREE_MS
+      && counters.every((key) => before[key] === probe[key] && probe[key] === after[key]);
+    if (!steady) {
       disturbed += 1;
       continue;
     }
-    const [delayed, plain] = a.added_delay_ms ? [a, b] : [b, a];
-    differences.push(Math.round((delayed.latency_ms - plain.latency_ms) * 100) / 100);
+    differences.push(Math.round((probe.latency_ms - (before.latency_ms + after.latency_ms) / 2) * 100) / 100);
   }
-  return { added_ms: addedMs, pairs: differences.length, disturbed_pairs: disturbed,
+  return { added_ms: addedMs, triplets: differences.length, disturbed_triplets: disturbed,
     median_difference_ms: round(percentile(differences, 50)), differences_ms: differences };
 }
