@@ -378,6 +378,10 @@ function render(result) {
   const s = result.summary;
   const items = [["p50", s.p50_ms], ["p90", s.p90_ms], ["p99", s.p99_ms], ["max", s.max_ms], ["min", s.min_ms],
     ["mean", s.mean_ms], ["heard", `${s.heard}/${s.sent}`], ["lost", s.lost]];
+  const check = result.self_check;
+  if (check) {
+    items.push(["self-check", `+${check.median_difference_ms ?? "—"} ms for +${check.added_ms} ms (${check.triplets} triplets)`]);
+  }
   ui.summary.replaceChildren(...items.flatMap(([name, value]) => {
     const dt = document.createElement("dt");
     dt.textContent = name;
