@@ -321,3 +321,16 @@ async def test_the_path_self_test_reports_what_the_path_applies():
     assert up["received"] == 300 - dropped and down["received"] == 300  # the seeded drops, and only those
     assert up["delay_ms_p50"] >= 20 and down["delay_ms_p50"] >= 50 and down["delay_ms_mean"] >= 50
     assert up["reordered"] > 0 and report["settings"]["down"]["delay_ms"] == 50
+
+
+async def test_a_rate_limited_path_queues_then_drops():
+    """A 64 kbit/s bottleneck offered ten times that: packets leave one transmission time apart, the rest is tail-dropped."""
+    from lychee_rtc.bench.impairment import MAX_QUEUE_S, self_test
+
+    report = await self_test(PathSettings(up=Impairment(rate_kbps=64)), packets=300)
+    up, down = report["up"], report["down"]
+    assert down["received"] == 300 and down["reordered"] == 0  # the other way is not limited
+    transmission_ms = 164 * 8 / 64  # 20.5 ms per 164-byte datagram
+    # The queue builds up by a transmission time per packet until it holds MAX_QUEUE_S; past that, tail drop.
+    assert up["delay_ms_max"] >= min(10 * transmission_ms, 1000 * MAX_QUEUE_S)
+    assert 0 < up["received"] < 300 and up["reordered"] == 0

@@ -186,9 +186,10 @@ async def _main(args: argparse.Namespace) -> int:
         print(table, file=sys.stderr)
         return 0
     path = None
-    if any((args.uplink_delay_ms, args.downlink_delay_ms, args.jitter_ms, args.loss, args.through_path)):
+    if any((args.uplink_delay_ms, args.downlink_delay_ms, args.jitter_ms, args.loss, args.rate_kbps, args.through_path)):
         path = PathSettings.symmetric(delay_up_ms=args.uplink_delay_ms, delay_down_ms=args.downlink_delay_ms,
-                                      jitter_ms=args.jitter_ms, loss=args.loss, seed=args.seed)
+                                      jitter_ms=args.jitter_ms, loss=args.loss, rate_kbps=args.rate_kbps,
+                                      seed=args.seed)
     if args.url:
         result = await measure(args.url, run, path=path, chromium=args.chromium)
     elif args.peer == "aiortc":
@@ -247,6 +248,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--downlink-delay-ms", type=float, default=0.0, help="held on the way to the browser")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="extra delay, uniform 0..N ms per packet, each way")
     p.add_argument("--loss", type=float, default=0.0, help="packets dropped each way (0.02 = 2 %%)")
+    p.add_argument("--rate-kbps", type=float, default=0.0,
+                   help="a bottleneck each way: packets queue to leave at this rate (tail drop past 0.5 s)")
     p.add_argument("--seed", type=int, default=1, help="the impairment's random seed")
     p.add_argument("--chromium", default=CHROMIUM, help=f"the Chromium executable (default {CHROMIUM})")
     p.add_argument("--json", help="also write the result here")

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+MAX_QUEUE_S = 0.5  # a rate-limited link's queue: a packet that would wait longer is dropped (tail drop)
 MAX_SESSIONS = 16  # relays one path keeps open at most; a bench opens one or two
 # Request and response headers the proxy must not copy: they describe one hop, not the message.
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
@@ -33,9 +34,10 @@ class Impairment:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0  # extra delay, uniform in [0, jitter_ms], drawn per packet
     loss: float = 0.0  # probability a packet is dropped
+    rate_kbps: float = 0.0  # a bottleneck: packets queue to leave at this bit rate (0: none)
 
     def __post_init__(self) -> None:
-        if self.delay_ms < 0 or self.jitter_ms < 0 or not 0.0 <= self.loss < 1.0:
+        if self.delay_ms < 0 or self.jitter_ms < 0 or self.rate_kbps < 0 or not 0.0 <= self.loss < 1.0:
             raise ValueError(f"impairment out of range: {self}")
 
 
@@ -47,8 +49,9 @@ class PathSettings:
 
     @classmethod
     def symmetric(cls, *, delay_up_ms: float = 0.0, delay_down_ms: float = 0.0, jitter_ms: float = 0.0,
-                  loss: float = 0.0, seed: int = 1) -> "PathSettings":
-        return cls(Impairment(delay_up_ms, jitter_ms, loss), Impairment(delay_down_ms, jitter_ms, loss), seed)
+                  loss: float = 0.0, rate_kbps: float = 0.0, seed: int = 1) -> "PathSettings":
+        return cls(Impairment(delay_up_ms, jitter_ms, loss, rate_kbps),
+                   Impairment(delay_down_ms, jitter_ms, loss, rate_kbps), seed)
 
 
 class PacketFate:
@@ -68,14 +71,16 @@ class PacketFate:
 @dataclass
 class DirectionCounters:
     packets: int = 0
-    dropped: int = 0
+    dropped: int = 0  # by the loss draw
+    queue_dropped: int = 0  # by a full rate-limited queue
+    link_free_at: float = 0.0  # when the rate-limited link has sent everything queued so far
     delays_ms: list[float] = field(default_factory=list)  # measured: received → handed to the socket
 
     def summary(self) -> dict[str, Any]:
         d = sorted(self.delays_ms)
         mean = sum(d) / len(d) if d else None
-        return {"packets": self.packets, "dropped": self.dropped,
-                "loss": round(self.dropped / self.packets, 4) if self.packets else None,
+        return {"packets": self.packets, "dropped": self.dropped, "queue_dropped": self.queue_dropped,
+                "loss": round((self.dropped + self.queue_dropped) / self.packets, 4) if self.packets else None,
                 "delay_ms_mean": None if mean is None else round(mean, 3),
                 "delay_ms_min": round(d[0], 3) if d else None, "delay_ms_max": round(d[-1], 3) if d else None}
 
@@ -137,6 +142,14 @@ class UdpRelay:
             return
         loop = asyncio.get_running_loop()
         received = loop.time()
+        rate = fate.impairment.rate_kbps
+        if rate > 0:  # the bottleneck first: wait for the link, then the packet's own transmission time
+            start = max(received, counters.link_free_at)
+            if start - received > MAX_QUEUE_S:
+                counters.queue_dropped += 1
+                return
+            counters.link_free_at = start + len(data) * 8 / (rate * 1000)
+            hold += counters.link_free_at - received
 
         def send() -> None:
             counters.delays_ms.append(1000.0 * (loop.time() - received))
@@ -190,7 +203,8 @@ async def self_test(settings: PathSettings, packets: int = 400, spacing_s: float
                 sock.sendto(i.to_bytes(4, "big") + bytes(160), target)
             await asyncio.sleep(spacing_s)
         longest = max(settings.up.delay_ms + settings.up.jitter_ms, settings.down.delay_ms + settings.down.jitter_ms)
-        await asyncio.sleep(longest / 1000 + 0.5)
+        queued = MAX_QUEUE_S if settings.up.rate_kbps or settings.down.rate_kbps else 0.0
+        await asyncio.sleep(longest / 1000 + queued + 0.5)  # what is still held or queued arrives
     finally:
         relay.close()
         server.close()
