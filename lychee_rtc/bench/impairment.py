@@ -385,7 +385,7 @@ class PathPhases:
     """The knobs ``bench latency`` turns between its phases (``loss``, ``jitter_ms``), on a path.
 
     Setting either applies it to the path both ways at once, from the next packet on; the delay
-    stays as the path was opened with.
+    and the rate limit stay as the path was opened with.
     """
 
     def __init__(self, path: ImpairedPath, loss: float, jitter_ms: float) -> None:
@@ -396,8 +396,9 @@ class PathPhases:
 
     def _apply(self) -> None:
         s = self._path.settings
-        self._path.update(PathSettings(Impairment(s.up.delay_ms, self._jitter_ms, self._loss),
-                                       Impairment(s.down.delay_ms, self._jitter_ms, self._loss), s.seed))
+        self._path.update(PathSettings(Impairment(s.up.delay_ms, self._jitter_ms, self._loss, s.up.rate_kbps),
+                                       Impairment(s.down.delay_ms, self._jitter_ms, self._loss, s.down.rate_kbps),
+                                       s.seed))
 
     @property
     def loss(self) -> float:
