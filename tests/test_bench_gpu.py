@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -78,6 +80,7 @@ def test_building_the_bench_parsers_imports_no_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.timeout(900)  # the script is allowed 600 s on its own
 def test_gpu_run_script_runs_every_step_at_tiny_size(tmp_path):
     """The one script meant for a fresh GPU machine, run here at tiny size on the CPU."""
     out = tmp_path / "results"

@@ -32,7 +32,7 @@ from cluster_topology import REPO, RayCluster, namespaces_possible, ray_env, sto
 from conftest import free_port, wait_until  # noqa: E402
 from contract import check_response  # noqa: E402
 from telephony_support import CREDENTIALS, EventStream, carrier  # noqa: E402
-from test_openai_python_sdk import next_event  # noqa: E402
+from test_openai_python_sdk import next_event, read_until_closed  # noqa: E402
 from test_openai_realtime import HANGUP, SECRETS, assert_ga_events_valid, strip_candidates  # noqa: E402
 
 from lychee_rtc.bench.client import RtcClient  # noqa: E402
@@ -44,6 +44,8 @@ TELNYX_TOKEN = CREDENTIALS["telnyx"]["token"]
 SERVER_KEY = "sk-cluster-test-key"  # the profile's server.auth_token, shared by the entry and its workers
 ADMIN = {"Authorization": f"Bearer {SERVER_KEY}"}
 CALLS = "/v1/realtime/calls"
+# Each test starts (or waits for) Ray nodes, the entry and its workers: minutes on a busy machine.
+pytestmark = pytest.mark.timeout(900)
 
 
 @dataclass
@@ -539,10 +541,7 @@ async def test_openai_realtime_calls_through_the_entry_with_a_key_minted_there(e
             assert done.response.id == response.response.id and done.response.status == "cancelled"
 
             await openai.realtime.calls.hangup(first_id)
-            async def drain() -> None:  # the sideband ends with the call
-                async for event in conn:
-                    seen.append(event.model_dump(exclude_unset=True))
-            await asyncio.wait_for(drain(), 30)
+            await asyncio.wait_for(read_until_closed(conn, seen), 30)  # the sideband ends with the call
         assert_ga_events_valid(seen)
         await wait_until(lambda: first.pc.connectionState in ("closed", "failed"), 60, "the hung-up call to close")
         await audio_flows(second)

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from lychee_rtc.calls.call import ServerFull
+from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.server import auth
+from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
-from lychee_rtc.server.sessions import ServerFull, SessionManager
+from lychee_rtc.server.event_socket import EventSocket
+from lychee_rtc.session.native import NativeDialect
+from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
 from lychee_rtc.telephony.call import CarrierCall
 from lychee_rtc.telephony.carriers import DIALECTS, HANDSHAKE_EVENTS, Dialect, detect
@@ -36,20 +39,12 @@ from lychee_rtc.telephony.frames import (
     StreamStarted,
     Unhandled,
 )
-from lychee_rtc.telephony.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
 MEDIA_PATH = "/v1/telephony/ws"
 EVENTS_PATH = "/v1/telephony/calls/{call}/events"
 MAX_HANDSHAKE_FRAMES = 4  # frames a carrier may send before its start frame
-COMPANION_OUTBOX_LIMIT = 1024
-COMPANION_MAX_MESSAGE = 64 * 1024
-
-
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"type": "invalid_request_error", "code": code, "message": message}},
-                             status=status, headers=headers)
 
 
 def _request_urls(request: web.Request, settings: Settings) -> list[str]:
@@ -64,9 +59,9 @@ def _request_urls(request: web.Request, settings: Settings) -> list[str]:
 
 
 class TelephonyEndpoint:
-    def __init__(self, settings: Settings, manager: SessionManager) -> None:
+    def __init__(self, settings: Settings, registry: CallRegistry) -> None:
         self.settings = settings
-        self.manager = manager
+        self.registry = registry
 
     # --- the carrier's socket --------------------------------------------------------------------
 
@@ -75,11 +70,11 @@ class TelephonyEndpoint:
         telephony = self.settings.telephony
         provider = request.match_info.get("provider")
         if provider is not None and provider not in DIALECTS:
-            return _error(404, "unknown_provider", f"no carrier {provider!r}; one of {sorted(DIALECTS)}")
+            return http.error_response(404, "unknown_provider", f"no carrier {provider!r}; one of {sorted(DIALECTS)}")
         admission = check_request(request.headers, _request_urls(request, self.settings), telephony, provider)
         if admission.refusal is not None:
             log.info("telephony connection refused: %s", admission.refusal)
-            return _error(401, "unauthorized", admission.refusal)
+            return http.error_response(401, "unauthorized", admission.refusal)
         ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, autoping=True)
         await ws.prepare(request)
         try:
@@ -152,49 +147,39 @@ class TelephonyEndpoint:
         raise FrameError(f"no start frame within the first {MAX_HANDSHAKE_FRAMES} frames", CLOSE_PROTOCOL_ERROR)
 
     async def _admit(self, dialect: Dialect, started: StreamStarted) -> CarrierCall:
-        caps = self.manager.engine.capabilities
+        caps = self.registry.engine.capabilities
         options = SessionOptions()
-        async with self.manager.admission(options) as slot:
-            call = CarrierCall.create(lambda sink: self.manager.new_session(slot, sink, options), dialect, started,
+        async with self.registry.admission(options) as slot:
+            call = CarrierCall.create(lambda sink: self.registry.new_session(slot, sink, options), dialect, started,
                                       self.settings.telephony, caps.output_rate, self.settings.session.playout_max_s,
                                       live=caps.live_passthrough)
-            self.manager.register(call)
+            self.registry.register(call)
             return call
 
     # --- the application's event stream ----------------------------------------------------------
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         key = request.match_info["call"]
-        call = next((c for c in self.manager.calls.values()
+        call = next((c for c in self.registry.calls.values()
                      if isinstance(c, CarrierCall) and c.matches(key)), None)
         if call is None:
-            return _error(404, "call_not_found", f"no phone call {key!r}")
+            return http.error_response(404, "call_not_found", f"no phone call {key!r}")
         if call.companion is not None:
-            return _error(409, "event_stream_taken", "this call already has an event stream attached")
-        ws = web.WebSocketResponse(max_msg_size=COMPANION_MAX_MESSAGE, autoping=True)
+            return http.error_response(409, "event_stream_taken", "this call already has an event stream attached")
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
         await ws.prepare(request)
-        outbox = Outbox(COMPANION_OUTBOX_LIMIT)
-        call.companion = outbox
-        writer = asyncio.create_task(outbox.run(ws), name=f"events-writer-{call.session.id}")
-        session = call.session
-        session.attach_channel(outbox.put, lambda: outbox.bytes)
+        socket = EventSocket(ws, f"events-writer-{call.session.id}")
+        call.companion = socket.outbox  # closed by the call when it ends
         try:
-            async for msg in ws:
-                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    session.handle_message(msg.data)
-                elif msg.type == WSMsgType.ERROR:
-                    break
+            await socket.serve(NativeDialect(call.session, socket.channel))
         finally:
-            session.detach_channel(outbox.put)
-            if call.companion is outbox:
+            if call.companion is socket.outbox:
                 call.companion = None
-            outbox.close(1000, "event stream closed")
-            await writer
         return ws
 
 
-def add_routes(app: web.Application, settings: Settings, manager: SessionManager) -> None:
-    endpoint = TelephonyEndpoint(settings, manager)
+def add_routes(app: web.Application, settings: Settings, registry: CallRegistry) -> None:
+    endpoint = TelephonyEndpoint(settings, registry)
     app.router.add_get(MEDIA_PATH, endpoint.media)
     app.router.add_get(MEDIA_PATH + "/{provider}", endpoint.media)
     app.router.add_get(EVENTS_PATH, endpoint.events)
