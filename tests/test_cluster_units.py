@@ -15,8 +15,8 @@ from conftest import free_port
 
 from lychee_rtc.cluster.ids import is_worker_id, session_prefix, worker_of
 from lychee_rtc.cluster.metrics import EntryMetrics
-from lychee_rtc.cluster.placement import actor_options, no_room_reason, worker_count, worker_settings
-from lychee_rtc.cluster.registry import DEAD_AFTER_ERRORS, Registry, WorkerView
+from lychee_rtc.cluster.placement import actor_options, no_room_reason, waiting_reason, worker_count, worker_settings
+from lychee_rtc.cluster.registry import DEAD_AFTER_ERRORS, NOT_PLACED, Registry, WorkerView
 from lychee_rtc.config import ConfigError, ClusterSettings, load_settings
 
 
@@ -85,14 +85,16 @@ class _Handle:
         async def result():
             if isinstance(answer, BaseException):
                 raise answer
+            if isinstance(answer, asyncio.Future):  # answered when the test says so
+                return await answer
             if answer is None:
                 await asyncio.sleep(3600)  # a process Ray is restarting answers later
             return answer
         return result()
 
 
-def _registry() -> Registry:
-    return Registry(EntryMetrics(), poll_interval_s=0.01, status_timeout_s=0.05)
+def _registry(status_timeout_s: float = 0.05) -> Registry:
+    return Registry(EntryMetrics(), poll_interval_s=0.01, status_timeout_s=status_timeout_s)
 
 
 def test_least_loaded_worker_with_room_is_chosen():
@@ -101,9 +103,10 @@ def test_least_loaded_worker_with_room_is_chosen():
         view = registry.add(worker, None)
         view.status, view.state = _status(worker, free), "ready"
     assert registry.choose(set()).worker_id == "w1"
-    registry.workers["w1"].pending = 2  # offers in flight count against it
+    for _ in range(2):  # offers being forwarded count against it
+        registry.workers["w1"].placements.begin()
     assert registry.choose(set()).worker_id in ("w0", "w1")
-    registry.workers["w1"].placed = 1
+    registry.workers["w1"].placements.begin().taken()  # and so does a call no report shows yet
     assert registry.choose(set()).worker_id == "w0"
     assert registry.choose({"w0"}) is None  # w1 and w2 have no room left
     registry.workers["w0"].state = "draining"
@@ -223,3 +226,112 @@ async def test_a_worker_ray_gave_up_on_is_dead():
     await registry._poll(view)
     assert view.state == "dead" and "actor died" in view.reason and registry.capacity == 0
     await registry._poll(view)  # not asked again
+
+
+async def _poll_in_background(registry: Registry, view: WorkerView, answer: asyncio.Future) -> asyncio.Task:
+    """A poll whose status request is on its way (sent, not answered) when this returns."""
+    view.handle.answers = [answer]
+    poll = asyncio.ensure_future(registry._poll(view))
+    while view.probe is None:
+        await asyncio.sleep(0)
+    return poll
+
+
+async def test_a_report_requested_before_a_placement_does_not_erase_it():
+    registry = _registry(status_timeout_s=30)
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    assert view.free == 2
+
+    stale = asyncio.get_running_loop().create_future()
+    poll = await _poll_in_background(registry, view, stale)  # requested before the call exists
+    placed = view.placements.begin()
+    assert view.free == 1  # in flight: counted already
+    placed.taken()  # the worker answered the offer: the call is there now
+    stale.set_result(_status("w0", 2, capacity=2))  # computed before the call: still 2 free
+    await poll
+    assert view.state == "ready" and view.status["free"] == 2
+    assert view.free == 1 and registry.choose(set()) is view  # the call still counts
+
+    handle.answers = [_status("w0", 1, capacity=2)]  # requested after the answer: it counts the call
+    await registry._poll(view)
+    assert view.placements.count == 0 and view.free == 1  # counted once, by the worker
+
+
+async def test_a_fresh_report_replaces_what_the_entry_counted():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    for _ in range(2):
+        view.placements.begin().taken()
+    assert view.free == 0 and registry.choose(set()) is None
+    # One of the two calls ended at the worker before the next report: that report says so.
+    handle.answers = [_status("w0", 1, capacity=2)]
+    await registry._poll(view)
+    assert view.placements.count == 0 and view.free == 1
+
+
+async def test_a_placement_that_failed_or_was_refused_counts_no_longer():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    unreachable, refused = view.placements.begin(), view.placements.begin()
+    assert view.free == 0
+    unreachable.released()
+    refused.released()
+    refused.taken()  # a placement ends once: a late second outcome changes nothing
+    assert view.free == 2 and view.placements.count == 0
+
+
+async def test_a_worker_that_answered_full_takes_nothing_until_a_fresh_report():
+    registry = _registry(status_timeout_s=30)
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    stale = asyncio.get_running_loop().create_future()
+    poll = await _poll_in_background(registry, view, stale)
+    registry.mark_full(view)  # another entry filled it
+    stale.set_result(_status("w0", 2, capacity=2))
+    await poll
+    assert view.free == 0 and registry.choose(set()) is None
+    handle.answers = [_status("w0", 1, capacity=2)]
+    await registry._poll(view)
+    assert view.free == 1
+
+
+def test_a_worker_ray_cannot_place_says_why():
+    cpu = ClusterSettings(worker_cpus=0)
+    plain_node = {"CPU": 4.0, "memory": 1e9}
+    reason = waiting_reason(cpu, [plain_node, plain_node])
+    assert "no node offers the resource 'lychee_rtc_worker'" in reason
+    assert "--resources '{\"lychee_rtc_worker\": N}'" in reason
+    taken = waiting_reason(cpu, [{**plain_node, "lychee_rtc_worker": 1.0}])
+    assert taken.startswith("waiting for room") and "cluster.workers" in taken
+    gpu = ClusterSettings(worker_gpus=1)
+    assert "no node has 1 GPU" in waiting_reason(gpu, [plain_node])
+    assert "worker_cpus" in waiting_reason(ClusterSettings(worker_cpus=8), [{**plain_node, "lychee_rtc_worker": 2.0}])
+
+
+async def test_a_starting_worker_shows_why_it_is_not_placed_until_it_is():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    why: list[str | None] = ["no node offers the resource 'x'", None]
+
+    async def unplaced(v: WorkerView) -> str | None:
+        return why.pop(0)
+    registry.unplaced = unplaced
+    handle.answers = [None]  # Ray holds the status request until the actor runs somewhere
+    await registry._poll(view)
+    assert view.state == "starting" and view.reason == NOT_PLACED + "no node offers the resource 'x'"
+    assert view.describe()["reason"] == view.reason
+    await registry._poll(view)  # placed now, loading: the reason goes
+    assert view.state == "starting" and view.reason == ""
+    view.probe.cancel()
