@@ -34,7 +34,8 @@ from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, o
 from lychee_rtc.cluster.registry import WorkerView
 from lychee_rtc.config import Settings
 from lychee_rtc.server import auth
-from lychee_rtc.server.app import CORS_EXPOSE, CORS_HEADERS, CORS_METHODS, SETTINGS_KEY, WHIP_PATCH_TYPE, index
+from lychee_rtc.server.app import SETTINGS_KEY, index
+from lychee_rtc.server.http import CORS_EXPOSE, CORS_HEADERS, CORS_METHODS, WHIP_PATCH_TYPE
 from lychee_rtc.server.openai import routes as realtime
 
 FLEET_KEY = web.AppKey("fleet", Fleet)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from aiohttp import WSMsgType, web
 
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.server import auth
+from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.sessions import ServerFull, SessionManager
 from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
@@ -47,11 +46,6 @@ COMPANION_OUTBOX_LIMIT = 1024
 COMPANION_MAX_MESSAGE = 64 * 1024
 
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"type": "invalid_request_error", "code": code, "message": message}},
-                             status=status, headers=headers)
-
-
 def _request_urls(request: web.Request, settings: Settings) -> list[str]:
     """The URL the carrier was given, as it signs it."""
     public = settings.telephony.public_url
@@ -75,11 +69,11 @@ class TelephonyEndpoint:
         telephony = self.settings.telephony
         provider = request.match_info.get("provider")
         if provider is not None and provider not in DIALECTS:
-            return _error(404, "unknown_provider", f"no carrier {provider!r}; one of {sorted(DIALECTS)}")
+            return http.error_response(404, "unknown_provider", f"no carrier {provider!r}; one of {sorted(DIALECTS)}")
         admission = check_request(request.headers, _request_urls(request, self.settings), telephony, provider)
         if admission.refusal is not None:
             log.info("telephony connection refused: %s", admission.refusal)
-            return _error(401, "unauthorized", admission.refusal)
+            return http.error_response(401, "unauthorized", admission.refusal)
         ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, autoping=True)
         await ws.prepare(request)
         try:
@@ -168,9 +162,9 @@ class TelephonyEndpoint:
         call = next((c for c in self.manager.calls.values()
                      if isinstance(c, CarrierCall) and c.matches(key)), None)
         if call is None:
-            return _error(404, "call_not_found", f"no phone call {key!r}")
+            return http.error_response(404, "call_not_found", f"no phone call {key!r}")
         if call.companion is not None:
-            return _error(409, "event_stream_taken", "this call already has an event stream attached")
+            return http.error_response(409, "event_stream_taken", "this call already has an event stream attached")
         ws = web.WebSocketResponse(max_msg_size=COMPANION_MAX_MESSAGE, autoping=True)
         await ws.prepare(request)
         outbox = Outbox(COMPANION_OUTBOX_LIMIT)
