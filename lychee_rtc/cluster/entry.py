@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -33,65 +33,41 @@ from lychee_rtc.cluster.ids import worker_of
 from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, open_websocket, relay_websocket
 from lychee_rtc.cluster.registry import WorkerView
 from lychee_rtc.config import Settings
-from lychee_rtc.server import auth
+from lychee_rtc.jsonio import JsonError, strict_json_loads
+from lychee_rtc.server import auth, http
 from lychee_rtc.server.app import SETTINGS_KEY, index
-from lychee_rtc.server.http import CORS_EXPOSE, CORS_HEADERS, CORS_METHODS, WHIP_PATCH_TYPE
 from lychee_rtc.server.openai import routes as realtime
 
 FLEET_KEY = web.AppKey("fleet", Fleet)
 
 
-
-def _error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
-           headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"type": error_type, "code": code, "message": message}},
-                             status=status, headers=headers)
-
-
 def _unavailable(fleet: Fleet, code: str, message: str) -> web.Response:
-    retry = str(fleet.settings.session.retry_after_s)
-    return _error(503, code, message, "server_error", {"Retry-After": retry})
+    return http.unavailable(code, message, fleet.settings.session.retry_after_s)
 
 
-# --- middleware ------------------------------------------------------------------------------------
+def _body_limit(settings: Settings) -> int:
+    # A realtime call's multipart body holds a session part besides the SDP; the worker bounds each.
+    return settings.server.max_sdp_bytes + realtime.MAX_SESSION_PART_BYTES + 4096
+
+
+async def _read(request: web.Request) -> bytes:
+    """The request body as the client sent it, bounded (a client that hangs up mid-body is one log line)."""
+    return await http.read_body(request, _body_limit(request.app[SETTINGS_KEY]))
 
 
 @web.middleware
-async def cors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    """Preflights are answered here; forwarded answers keep the worker's CORS headers."""
-    origins = request.app[SETTINGS_KEY].server.cors_origins
-    origin = request.headers.get("Origin")
-    allow = "*" if "*" in origins else (origin if origin in origins else None)
-    if request.method == "OPTIONS":
-        response: web.StreamResponse = web.Response(status=204)
-        if request.path.startswith("/whip"):
-            response.headers["Accept-Post"] = "application/sdp"
-            response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
-        if allow is not None:
-            response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
-            response.headers["Access-Control-Allow-Headers"] = CORS_HEADERS
-            response.headers["Access-Control-Max-Age"] = "600"
-    else:
-        try:
-            response = await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400 or exc.content_type == "application/json":
-                raise
-            response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
-    if response.prepared:  # a relayed WebSocket: its handshake is long gone
-        return response
-    if allow is not None and "Access-Control-Allow-Origin" not in response.headers:
-        response.headers["Access-Control-Allow-Origin"] = allow
-        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE
-        if allow != "*":
-            response.headers["Vary"] = "Origin"
-    return response
+async def refused_bodies(request: web.Request, handler: http.Handler) -> web.StreamResponse:
+    """A body ``_read`` refused (too large) answers as it would at a single server."""
+    try:
+        return await handler(request)
+    except http.BodyError as exc:
+        return exc.response()
 
 
 def _admin(request: web.Request) -> web.Response | None:
     """The server key, where one is configured (what a single server's middleware asks of its routes)."""
     if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
-        return _error(401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return http.unauthorized()
     return None
 
 
@@ -118,13 +94,13 @@ def _is_full(response: web.Response) -> bool:
 def _no_placement(fleet: Fleet, refusal: NoPlacement) -> web.Response:
     if refusal.status == 503:
         return _unavailable(fleet, refusal.code, refusal.message)
-    return _error(refusal.status, refusal.code, refusal.message, "server_error")
+    return http.error_response(refusal.status, refusal.code, refusal.message)
 
 
 async def place(request: web.Request) -> web.Response:
     """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
     fleet = request.app[FLEET_KEY]
-    body = await request.read()
+    body = await _read(request)
     if (resumed := _resumed_session(request, body)) is not None:
         # A resume re-attaches a session where it lives (its engine slot, its context): not placed.
         return await _forward_to_holder(request, body, (resumed, "session"))
@@ -144,7 +120,7 @@ async def place(request: web.Request) -> web.Response:
 async def any_worker(request: web.Request) -> web.Response:
     """A request that takes no slot and needs no session (minting a client key): to a ready worker."""
     fleet = request.app[FLEET_KEY]
-    body = await request.read()
+    body = await _read(request)
     tried: set[str] = set()
     while (view := fleet.registry.choose_any(tried)) is not None:
         tried.add(view.worker_id)
@@ -153,7 +129,7 @@ async def any_worker(request: web.Request) -> web.Response:
         except WorkerUnreachable as exc:
             fleet.registry.mark_down(view, str(exc))
         except WorkerFailed as exc:
-            return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+            return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
     return _unavailable(fleet, "no_worker_ready", "no worker is ready; retry later")
 
 
@@ -194,7 +170,7 @@ def _not_found(session_id: str, what: str, detail: str = "") -> web.Response:
     message = f"no {what} {session_id!r}{detail}"
     if what == "call":  # the OpenAI surface's own error, as a single server gives it
         return realtime.error(404, "call_not_found", message, param="call_id")
-    return _error(404, "session_not_found", message)
+    return http.error_response(404, "session_not_found", message)
 
 
 def _holder(request: web.Request, target: tuple[str, str] | None = None) -> WorkerView | web.Response:
@@ -224,7 +200,7 @@ def _resumed_session(request: web.Request, body: bytes) -> str | None:
 
 async def routed(request: web.Request) -> web.Response:
     """A request about one session: to the worker whose id the session id carries."""
-    return await _forward_to_holder(request, await request.read(), _target(request))
+    return await _forward_to_holder(request, await _read(request), _target(request))
 
 
 async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[str, str]) -> web.Response:
@@ -241,7 +217,7 @@ async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[st
         return _unavailable(fleet, "worker_unavailable",
                             f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
     except WorkerFailed as exc:
-        return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
     fleet.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
     return response
 
@@ -275,7 +251,7 @@ async def routed_websocket(request: web.Request) -> web.StreamResponse:
         fleet.registry.mark_down(view, str(exc))
         return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
     except WorkerFailed as exc:
-        return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
     if isinstance(upstream, web.Response):
         if upstream.status == 404:  # the session ended: say so as a single server does
             return _not_found(*_target(request))
@@ -295,7 +271,7 @@ async def list_sessions(request: web.Request) -> web.Response:
             if result.status != 200:
                 return result  # the workers' answer to a missing or wrong key
             sessions.extend(json.loads(result.body)["sessions"])
-    return web.json_response({"capacity": fleet.registry.capacity, "free": fleet.registry.free,
+    return http.json_response({"capacity": fleet.registry.capacity, "free": fleet.registry.free,
                               "sessions": sessions})
 
 
@@ -303,7 +279,7 @@ async def list_sessions(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "version": __version__})
+    return http.json_response({"status": "ok", "version": __version__})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -315,11 +291,11 @@ async def readyz(request: web.Request) -> web.Response:
             "workers": {state: n for state in ("ready", "starting", "draining", "down", "dead", "stopped")
                         if (n := registry.count(state))}}
     if registry.count("ready") == 0:
-        return web.json_response({"status": "starting", **body}, status=503)
+        return http.json_response({"status": "starting", **body}, status=503)
     if registry.free <= 0:
-        return web.json_response({"status": "full", **body}, status=503,
+        return http.json_response({"status": "full", **body}, status=503,
                                  headers={"Retry-After": str(fleet.settings.session.retry_after_s)})
-    return web.json_response({"status": "ready", **body})
+    return http.json_response({"status": "ready", **body})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -331,14 +307,14 @@ async def list_workers(request: web.Request) -> web.Response:
     if (denied := _admin(request)) is not None:
         return denied
     fleet = request.app[FLEET_KEY]
-    return web.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()]})
+    return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()]})
 
 
 def _worker_or_404(request: web.Request) -> WorkerView | web.Response:
     worker = request.match_info["worker_id"]
     view = request.app[FLEET_KEY].registry.workers.get(worker)
     if view is None:
-        return _error(404, "worker_not_found", f"no worker {worker!r}")
+        return http.error_response(404, "worker_not_found", f"no worker {worker!r}")
     return view
 
 
@@ -349,26 +325,26 @@ async def drain_worker(request: web.Request) -> web.Response:
     if isinstance(view, web.Response):
         return view
     fleet = request.app[FLEET_KEY]
-    raw = await request.read()
+    raw = await _read(request)
     try:
-        options = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        return _error(400, "invalid_json", f"request body is not valid JSON: {exc}")
+        options = strict_json_loads(raw) if raw.strip() else {}
+    except JsonError as exc:
+        return http.error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
     if not isinstance(options, dict) or set(options) - {"deadline_s", "restart"}:
-        return _error(400, "invalid_request", "body: an object with deadline_s (seconds) and restart (boolean)")
+        return http.error_response(400, "invalid_request", "body: an object with deadline_s (seconds) and restart (boolean)")
     deadline = options.get("deadline_s", fleet.settings.cluster.drain_timeout_s)
     restart = options.get("restart", True)
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0:
-        return _error(400, "invalid_request", "deadline_s must be a number of seconds above 0")
+        return http.error_response(400, "invalid_request", "deadline_s must be a number of seconds above 0")
     if not isinstance(restart, bool):
-        return _error(400, "invalid_request", "restart must be true or false")
+        return http.error_response(400, "invalid_request", "restart must be true or false")
     if view.state not in ("ready", "draining"):
-        return _error(409, "worker_not_ready", f"worker {view.worker_id} is {view.state}")
+        return http.error_response(409, "worker_not_ready", f"worker {view.worker_id} is {view.state}")
     try:
         await fleet.drain(view, float(deadline), restart)
     except Exception as exc:  # the worker died under the request: the poller will say so
         return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id}: {type(exc).__name__}: {exc}")
-    return web.json_response(view.describe(), status=202)
+    return http.json_response(view.describe(), status=202)
 
 
 async def worker_metrics(request: web.Request) -> web.Response:
@@ -388,9 +364,9 @@ async def worker_metrics(request: web.Request) -> web.Response:
 
 
 def create_entry_app(settings: Settings) -> web.Application:
-    # A realtime call's multipart body holds a session part besides the SDP; the worker bounds each.
-    app = web.Application(middlewares=[cors], client_max_size=settings.server.max_sdp_bytes
-                          + realtime.MAX_SESSION_PART_BYTES + 4096)
+    origins = settings.server.cors_origins  # forwarded answers keep the worker's CORS headers
+    app = web.Application(middlewares=[http.edge_middleware(lambda request: origins), refused_bodies],
+                          client_max_size=_body_limit(settings))
     app[SETTINGS_KEY] = settings
     app[FLEET_KEY] = Fleet(settings)
 

@@ -14,6 +14,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from lychee_rtc.server.http import error_response
+
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
@@ -118,8 +120,7 @@ def refused_handshake(exc: aiohttp.WSServerHandshakeError) -> web.Response:
     headers = {k: exc.headers[k] for k in _PASSED_HEADERS if exc.headers and k in exc.headers}
     code = _REFUSAL_CODES.get(status, "refused")
     message = f"the worker refused the WebSocket: {exc.status} {exc.message or ''}".rstrip()
-    return web.json_response({"error": {"type": "invalid_request_error" if status < 500 else "server_error",
-                                        "code": code, "message": message}}, status=status, headers=headers)
+    return error_response(status, code, message, headers=headers)
 
 
 async def relay_websocket(request: web.Request, upstream: aiohttp.ClientWebSocketResponse) -> web.WebSocketResponse:
