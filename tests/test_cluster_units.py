@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import free_port
 
+from lychee_rtc.cluster.fleet import Fleet, NoPlacement
 from lychee_rtc.cluster.ids import is_worker_id, session_prefix, worker_of
 from lychee_rtc.cluster.metrics import EntryMetrics
 from lychee_rtc.cluster.placement import actor_options, no_room_reason, waiting_reason, worker_count, worker_settings
@@ -335,3 +336,97 @@ async def test_a_starting_worker_shows_why_it_is_not_placed_until_it_is():
     await registry._poll(view)  # placed now, loading: the reason goes
     assert view.state == "starting" and view.reason == ""
     view.probe.cancel()
+
+
+def _fleet_with(*free: int) -> Fleet:
+    fleet = Fleet(load_settings(None, environ={}))
+    for index, slots in enumerate(free):
+        view = fleet.registry.add(f"w{index}", None)
+        view.status, view.state = _status(f"w{index}", slots, capacity=2), "ready"
+    return fleet
+
+
+async def test_the_fleet_tries_the_next_worker_and_counts_what_it_placed():
+    from lychee_rtc.cluster.proxy import WorkerUnreachable
+
+    fleet = _fleet_with(2, 1)
+    w0, w1 = fleet.registry.workers["w0"], fleet.registry.workers["w1"]
+
+    async def unreachable(view):
+        raise WorkerUnreachable("connection refused")
+    refused = await fleet.on_a_worker(unreachable, lambda a: False, lambda a: True)
+    assert isinstance(refused, NoPlacement) and refused.status == 503 and refused.code == "no_worker_ready"
+    assert w0.state == w1.state == "down" and w0.placements.count == w1.placements.count == 0
+
+    fleet = _fleet_with(2, 2)
+    w0, w1 = fleet.registry.workers["w0"], fleet.registry.workers["w1"]
+    answers = {"w0": "full", "w1": "call"}
+    placed = await fleet.on_a_worker(lambda view: _answer(answers[view.worker_id]), lambda a: a == "full",
+                                     lambda a: a == "call")
+    assert placed.view is w1 and placed.answer == "call"
+    assert w0.free == 0 and w0.placements.count == 0  # full until a fresh report, nothing placed there
+    assert w1.free == 1 and w1.placements.count == 1  # counted until a fresh report
+
+    later = await fleet.on_a_worker(lambda view: _answer("call"), lambda a: False, lambda a: True, settle_later=True)
+    assert later.view is w1 and w1.placements.in_flight == 1  # the caller ends it
+    later.placement.taken()
+    assert w1.placements.in_flight == 0 and w1.placements.count == 2 and w1.free == 0
+    nothing = await fleet.on_a_worker(lambda view: _answer("call"), lambda a: False, lambda a: True)
+    assert isinstance(nothing, NoPlacement) and nothing.code == "server_full"
+
+
+async def _answer(value: str) -> str:
+    return value
+
+
+async def test_the_relay_reports_the_workers_first_frame():
+    """A carrier's stream: the worker sends nothing until it has admitted the call."""
+    from aiohttp import web
+
+    from lychee_rtc.cluster.proxy import open_websocket, relay_websocket
+
+    async def worker(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        connected.set()
+        async for message in ws:
+            await ws.send_str("admitted: " + message.data)
+        return ws
+
+    replies: list[str] = []
+    connected = asyncio.Event()
+    relayed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def entry(request):
+        async with aiohttp.ClientSession() as http:
+            upstream = await open_websocket(http, f"http://127.0.0.1:{worker_port}", request, 10)
+            on_first = lambda: replies.append("first")  # noqa: E731
+            response = await relay_websocket(request, upstream, on_first_reply=on_first)
+        relayed.set_result(None)
+        return response
+
+    worker_app, entry_app = web.Application(), web.Application()
+    worker_app.router.add_get("/ws", worker)
+    entry_app.router.add_get("/ws", entry)
+    runners = []
+    worker_port, entry_port = free_port(), free_port()
+    for app, port in ((worker_app, worker_port), (entry_app, entry_port)):
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"http://127.0.0.1:{entry_port}/ws") as carrier:
+                await asyncio.wait_for(connected.wait(), 10)  # the relay is up; the worker has said nothing
+                assert replies == []
+                await carrier.send_str("start")
+                assert (await carrier.receive_str(timeout=10)) == "admitted: start"
+                assert replies == ["first"]
+                await carrier.send_str("media")
+                assert (await carrier.receive_str(timeout=10)) == "admitted: media"
+                assert replies == ["first"]  # once
+            await asyncio.wait_for(relayed, 10)
+    finally:
+        for runner in runners:
+            await runner.cleanup()

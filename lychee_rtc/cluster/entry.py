@@ -114,7 +114,7 @@ async def place(request: web.Request) -> web.Response:
     placed = await fleet.on_a_worker(offer, _is_full, lambda response: response.status < 300)
     if isinstance(placed, NoPlacement):
         return _no_placement(fleet, placed)
-    return placed[1]
+    return placed.answer
 
 
 async def any_worker(request: web.Request) -> web.Response:
@@ -136,7 +136,10 @@ async def any_worker(request: web.Request) -> web.Response:
 async def place_websocket(request: web.Request) -> web.StreamResponse:
     """A carrier's media stream starts a call: to the least-loaded worker, relayed both ways.
 
-    Unlike WebRTC media, a carrier's audio is in the WebSocket itself, so it passes through the fleet.
+    Unlike WebRTC media, a carrier's audio is in the WebSocket itself, so it passes through the entry.
+    The worker admits the call only when the carrier's start frame arrives, after the handshake, and
+    sends nothing before: the call counts as in flight until the worker's first frame (then, as any
+    placement, until a fresh report) or until the relay ends.
     """
     fleet = request.app[FLEET_KEY]
 
@@ -145,13 +148,16 @@ async def place_websocket(request: web.Request) -> web.StreamResponse:
 
     # A worker refuses a handshake in a restated form (the body does not survive the client
     # library), so a refusal is passed on rather than read as "full".
-    placed = await fleet.on_a_worker(connect, lambda _: False, lambda upstream: not isinstance(upstream, web.Response))
+    placed = await fleet.on_a_worker(connect, lambda _: False, lambda upstream: not isinstance(upstream, web.Response),
+                                     settle_later=True)
     if isinstance(placed, NoPlacement):
         return _no_placement(fleet, placed)
-    upstream = placed[1]
-    if isinstance(upstream, web.Response):
-        return upstream
-    return await relay_websocket(request, upstream)
+    if isinstance(placed.answer, web.Response):
+        return placed.answer
+    try:
+        return await relay_websocket(request, placed.answer, on_first_reply=placed.placement.taken)
+    finally:
+        placed.placement.released()  # never answered: not admitted, or gone already (no-op once taken)
 
 
 # --- follow-ups ------------------------------------------------------------------------------------

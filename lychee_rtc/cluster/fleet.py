@@ -11,11 +11,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Generic, TypeVar
 
 import aiohttp
 
 from lychee_rtc.cluster import placement
+from lychee_rtc.cluster.accounting import Placement
 from lychee_rtc.cluster.ids import worker_id
 from lychee_rtc.cluster.metrics import EntryMetrics
 from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable
@@ -37,6 +38,15 @@ class NoPlacement:
     status: int
     code: str
     message: str
+
+
+@dataclass(frozen=True)
+class Placed(Generic[Answer]):
+    """The worker that answered, its answer, and the offer's count against it."""
+
+    view: WorkerView
+    answer: Answer
+    placement: Placement  # ended already, unless the caller asked to end it (``settle_later``)
 
 
 class Fleet:
@@ -128,14 +138,16 @@ class Fleet:
     # --- placing a call -----------------------------------------------------------------------------
 
     async def on_a_worker(self, attempt: Callable[[WorkerView], Awaitable[Answer]],
-                          full: Callable[[Answer], bool],
-                          accepted: Callable[[Answer], bool]) -> tuple[WorkerView, Answer] | NoPlacement:
+                          full: Callable[[Answer], bool], accepted: Callable[[Answer], bool],
+                          settle_later: bool = False) -> Placed[Answer] | NoPlacement:
         """Run ``attempt`` on the least-loaded worker with room, then the next, until one answers.
 
         The offer counts against its worker while it is forwarded and, once ``accepted``, until
-        that worker's next fresh status report (accounting.py). A worker that cannot be reached is
-        marked down and one whose answer is ``full`` is marked full; either way the next is tried.
-        Returns the worker and its answer (accepted or refused), or why no worker took the call.
+        that worker's next fresh status report (accounting.py). With ``settle_later`` an accepted
+        offer stays in flight for the caller to end: when the answer does not yet mean the worker
+        holds the call. A worker that cannot be reached is marked down and one whose answer is
+        ``full`` is marked full; either way the next is tried. Returns the worker and its answer
+        (accepted or refused), or why no worker took the call.
         """
         registry, metrics = self.registry, self.metrics
         tried: set[str] = set()
@@ -162,12 +174,13 @@ class Fleet:
                 metrics.offers.labels("worker_full").inc()
                 continue
             if accepted(answer):
-                placed.taken()
+                if not settle_later:
+                    placed.taken()
                 metrics.offers.labels("placed").inc()
             else:
                 placed.released()
                 metrics.offers.labels("refused").inc()
-            return view, answer
+            return Placed(view, answer, placed)
         metrics.offers.labels("cluster_full").inc()
         if registry.count("ready") == 0:
             return NoPlacement(503, "no_worker_ready", "no worker is ready to take a call; retry later")
