@@ -313,7 +313,8 @@ async def list_workers(request: web.Request) -> web.Response:
     if (denied := _admin(request)) is not None:
         return denied
     fleet = request.app[FLEET_KEY]
-    return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()]})
+    return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()],
+                               "waiting": fleet.waiting})
 
 
 def _worker_or_404(request: web.Request) -> WorkerView | web.Response:

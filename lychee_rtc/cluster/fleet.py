@@ -63,6 +63,7 @@ class Fleet:
         self.registry.unplaced = self._unplaced
         self.http: aiohttp.ClientSession | None = None
         self.started_ray = False
+        self.waiting: str | None = None  # why no worker could be placed at all (workers: auto), if so
         self._tasks: list[asyncio.Task] = []
 
     def timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
@@ -95,17 +96,18 @@ class Fleet:
         cluster = self.settings.cluster
         resources = await loop.run_in_executor(None, placement.cluster_resources)
         count = placement.worker_count(cluster, resources)
-        if count == 0 and not self.registry.workers:
-            log.warning("cluster entry: no room for a worker yet (%s); waiting for nodes",
-                        placement.no_room_reason(cluster, resources))
+        waiting = placement.no_room_reason(cluster, resources) if count == 0 and not self.registry.workers else None
+        if waiting is not None and waiting != self.waiting:
+            log.warning("cluster entry: no room for a worker yet (%s); waiting for nodes", waiting)
+        self.waiting = waiting  # checked every GROWTH_CHECK_S: said once, shown in the workers list
         new = [worker_id(i) for i in range(count) if worker_id(i) not in self.registry.workers]
         if not new:
             return
-        waiting = [w.worker_id for w in self.registry.workers.values() if w.state in ("starting", "down")]
-        if waiting:
+        held = [w.worker_id for w in self.registry.workers.values() if w.state in ("starting", "down")]
+        if held:
             # Room that appears while a worker is being placed or restarted is that worker's: a node
             # that rejoins before Ray has declared its old self dead is counted twice for a while.
-            log.debug("cluster entry: room for %d more, kept for %s", len(new), ", ".join(waiting))
+            log.debug("cluster entry: room for %d more, kept for %s", len(new), ", ".join(held))
             return
         handles = await loop.run_in_executor(None, placement.spawn, self.settings, new)
         for worker, handle in handles.items():
