@@ -310,14 +310,17 @@ async def test_a_worker_that_answered_full_takes_nothing_until_a_fresh_report():
 def test_a_worker_ray_cannot_place_says_why():
     cpu = ClusterSettings(worker_cpus=0)
     plain_node = {"CPU": 4.0, "memory": 1e9}
-    reason = waiting_reason(cpu, [plain_node, plain_node])
+    reason = waiting_reason(cpu, [plain_node, plain_node], plain_node)
     assert "no node offers the resource 'lychee_rtc_worker'" in reason
     assert "--resources '{\"lychee_rtc_worker\": N}'" in reason
-    taken = waiting_reason(cpu, [{**plain_node, "lychee_rtc_worker": 1.0}])
+    slot_node = {**plain_node, "lychee_rtc_worker": 1.0}
+    taken = waiting_reason(cpu, [slot_node], plain_node)  # the one slot is another worker's
     assert taken.startswith("waiting for room") and "cluster.workers" in taken
+    assert waiting_reason(cpu, [slot_node], slot_node) is None  # room: Ray is about to place it
     gpu = ClusterSettings(worker_gpus=1)
-    assert "no node has 1 GPU" in waiting_reason(gpu, [plain_node])
-    assert "worker_cpus" in waiting_reason(ClusterSettings(worker_cpus=8), [{**plain_node, "lychee_rtc_worker": 2.0}])
+    assert "no node has 1 GPU" in waiting_reason(gpu, [plain_node], plain_node)
+    many_cpus = ClusterSettings(worker_cpus=8)
+    assert "worker_cpus" in waiting_reason(many_cpus, [{**plain_node, "lychee_rtc_worker": 2.0}], plain_node)
 
 
 async def test_a_starting_worker_shows_why_it_is_not_placed_until_it_is():

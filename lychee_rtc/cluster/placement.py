@@ -72,10 +72,13 @@ def worker_needs(cluster: ClusterSettings) -> dict[str, float]:
     return needs
 
 
-def waiting_reason(cluster: ClusterSettings, nodes: list[dict[str, float]]) -> str:
-    """Why a worker waits for a node, given each live node's total resources."""
+def waiting_reason(cluster: ClusterSettings, nodes: list[dict[str, float]], available: dict[str, float]) -> str | None:
+    """Why a worker waits for a node, given each live node's total resources and what the cluster
+    has free; None when there is room and Ray is about to place it."""
     needs = worker_needs(cluster)
     if any(all(node.get(name, 0) >= amount for name, amount in needs.items()) for node in nodes):
+        if all(available.get(name, 0) >= amount for name, amount in needs.items()):
+            return None
         taken = "GPUs" if cluster.worker_gpus > 0 else f"{cluster.worker_resource!r} units"
         return (f"waiting for room: every node that fits a worker has its {taken} taken by other workers "
                 f"(add nodes, or lower cluster.workers)")
@@ -105,7 +108,7 @@ def unplaced_reason(cluster: ClusterSettings, handle: Any) -> str | None:
     if (info.get("Address") or {}).get("IPAddress"):
         return None  # on a node, its constructor running (an engine loading its checkpoint)
     nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
-    return waiting_reason(cluster, nodes)
+    return waiting_reason(cluster, nodes, dict(ray.available_resources()))
 
 
 def actor_options(cluster: ClusterSettings, worker: str) -> dict[str, Any]:
