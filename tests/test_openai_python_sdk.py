@@ -12,7 +12,7 @@ from conftest import running_server
 from openai import AsyncOpenAI
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
 from test_openai_realtime import KEY, assert_ga_events_valid, strip_candidates
 
 SILENCE = np.zeros(48000, np.float32)
@@ -41,7 +41,7 @@ async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
                 sdp=offer, session={"type": "realtime", "model": "gpt-realtime", "instructions": "Be brief."})
             # The SDK returns the answer; the call id is in the Location header.
             call_id = answer.response.headers["location"].rsplit("/", 1)[1]
-            assert answer.response.status_code == 201 and call_id in app[MANAGER_KEY].calls
+            assert answer.response.status_code == 201 and call_id in app[REGISTRY_KEY].calls
             await peer.accept_answer(answer.text, timeout=30)
             created = await peer.wait_event("session.created")
             assert created["session"]["instructions"] == "Be brief."
@@ -66,7 +66,7 @@ async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
                 await peer.wait_event("output_audio_buffer.cleared", response_id=response.response.id)
 
                 await openai.realtime.calls.hangup(call_id)
-                assert call_id not in app[MANAGER_KEY].calls
+                assert call_id not in app[REGISTRY_KEY].calls
                 # The sideband ends with the call.
                 async def drain() -> None:
                     async for event in conn:

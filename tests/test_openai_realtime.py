@@ -20,7 +20,7 @@ from conftest import running_server
 from contract import check_response
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
 from lychee_rtc.server.openai import client_secrets
 from lychee_rtc.server.openai.client_secrets import ClientSecrets, InvalidClientSecret, SessionTooLarge
 from lychee_rtc.server.openai.routes import REALTIME_KEY
@@ -88,7 +88,7 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
     async with running_server(server={"auth_token": KEY}) as (url, app):
         client, call_id = await open_call(url, AUTH)
         try:
-            assert call_id in app[MANAGER_KEY].calls
+            assert call_id in app[REGISTRY_KEY].calls
             created = await client.wait_event("session.created")
             assert created["session"]["type"] == "realtime" and created["session"]["id"] == call_id
             assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
@@ -157,7 +157,7 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
                 async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
                     assert resp.status == 200
                     check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
-                assert call_id not in app[MANAGER_KEY].calls
+                assert call_id not in app[REGISTRY_KEY].calls
                 async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
                     assert resp.status == 404
                     check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
@@ -174,7 +174,7 @@ async def test_multipart_session_sets_instructions_before_the_call_opens():
             created = await client.wait_event("session.created")
             assert created["session"]["instructions"] == "Answer in French."
             assert created["session"]["audio"]["output"]["voice"] is None  # no such voice here
-            assert app[MANAGER_KEY].calls[call_id].session.options.instructions == "Answer in French."
+            assert app[REGISTRY_KEY].calls[call_id].session.options.instructions == "Answer in French."
         finally:
             await client.close()
 

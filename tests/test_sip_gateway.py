@@ -23,7 +23,7 @@ from test_rtc_echo import best_match
 
 from lychee_rtc.gateway.janus_sip import dtmf_from_info
 from lychee_rtc.gateway.stack import StackPorts, TelephonyStack
-from lychee_rtc.server.app import GATEWAY_KEY, MANAGER_KEY
+from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
 from lychee_rtc.session.protocol import validate_server_event
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="SIPp plays RTP from a raw socket and tshark "
@@ -89,9 +89,9 @@ class EventTap:
 
 
 async def answered_session(app, count: int = 1):
-    manager = app[MANAGER_KEY]
-    await wait_until(lambda: len(manager.calls) >= count, 60, f"{count} answered call(s)")
-    return list(manager.calls.values())
+    registry = app[REGISTRY_KEY]
+    await wait_until(lambda: len(registry.calls) >= count, 60, f"{count} answered call(s)")
+    return list(registry.calls.values())
 
 
 async def sessions_listing(url: str) -> dict:
@@ -177,7 +177,7 @@ async def test_calls_up_to_capacity_then_busy(stack, tmp_path, speech_8k):
         assert app[GATEWAY_KEY].counters.busy == 1
         for call in calls:  # both held calls are still up, then the server ends them
             assert not call.session.closed
-            await app[MANAGER_KEY].close(call.session.id, "deleted")
+            await app[REGISTRY_KEY].close(call.session.id, "deleted")
         for result in await asyncio.gather(*held):
             assert result.returncode == 0, result.explain()
 
@@ -276,7 +276,7 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
                 "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "40",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             try:
-                await wait_until(lambda: app[MANAGER_KEY].calls or proc.returncode is not None, 60, "the call")
+                await wait_until(lambda: app[REGISTRY_KEY].calls or proc.returncode is not None, 60, "the call")
                 if proc.returncode is not None:
                     pytest.fail("baresip ended before the call: " + (await proc.stdout.read()).decode(errors="replace"))
                 (call,) = await answered_session(app)
@@ -291,7 +291,7 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
                     proc.kill()
                     print((await proc.communicate())[0].decode(errors="replace")[-4000:])
                     raise
-                await app[MANAGER_KEY].close(call.session.id, "deleted")
+                await app[REGISTRY_KEY].close(call.session.id, "deleted")
                 out = (await asyncio.wait_for(proc.communicate(), 60))[0]
             finally:
                 if proc.returncode is None:
