@@ -77,6 +77,7 @@ class RtcNegotiator:
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
                      metrics: bool = False, origin: dict[str, Any] | None = None) -> RtcCall:
         """``origin``: where the call came from when a connector places it (a SIP gateway's caller)."""
+        quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
             call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin)
