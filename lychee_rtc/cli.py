@@ -5,27 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from lychee_rtc import __version__
 from lychee_rtc.config import ConfigError, Settings, load_settings
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
+    from lychee_rtc.server import serve
     from lychee_rtc.server.app import create_app
 
-    # Flags win over the environment and the profile, so only the flags actually given count.
-    overrides: dict[str, Any] = {}
-    if args.host is not None:
-        overrides.setdefault("server", {})["host"] = args.host
-    if args.port is not None:
-        overrides.setdefault("server", {})["port"] = args.port
     try:
-        settings = load_settings(args.config, overrides=overrides)
+        settings = load_settings(args.config, overrides=serve.flag_overrides(args.host, args.port))
     except ConfigError as exc:
         print(f"lychee-rtc: {exc}", file=sys.stderr)
         return 2
@@ -40,42 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     host, port = settings.server.host, settings.server.port
-    try:
-        # Bind before announcing, so a busy port is one line, not a banner and a traceback.
-        sock = bind_socket(host, port)
-    except OSError as exc:
-        print(f"lychee-rtc: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    print(f"lychee-rtc {__version__}: engine {settings.engine.name!r} on http://{_url_host(host)}:{port}", flush=True)
-    try:
-        from lychee_rtc.server.logs import RedactingAccessLogger
-
-        web.run_app(app, sock=sock, print=None, access_log_class=RedactingAccessLogger)
-    except Exception as exc:  # engine start-up runs inside run_app; report it like the failures above
-        logging.getLogger("lychee_rtc").debug("server failed", exc_info=True)
-        print(f"lychee-rtc: server stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket for ``host:port`` (IPv4 or IPv6 literal, or a name)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+    return serve.run(app, host, port, f"lychee-rtc {__version__}: engine {settings.engine.name!r} on "
+                                      f"http://{serve.url_host(host)}:{port}")
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""One typed settings object for the whole server (ARCHITECTURE section 7).
+"""One typed settings object for the whole server.
 
 Precedence, lowest first: the model defaults here, a profile YAML from ``configs/``, environment
 variables ``LYCHEE_RTC_<SECTION>__<KEY>`` (double underscore descends one level, values parsed as

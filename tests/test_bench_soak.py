@@ -8,6 +8,7 @@ import gc
 import json
 import os
 
+import pytest
 from conftest import PATIENT_WINDOWS, running_server, speech_fixture
 from lychee_rtc.bench.cli import run_bench
 from lychee_rtc.bench.soak import PLANS
@@ -18,6 +19,7 @@ from lychee_rtc.session.session import DuplexSession
 SHORT_LOSS = {"media_timeout_s": 1.5, "resume_window_s": 1.0}
 
 
+@pytest.mark.timeout(600)  # four calls of speech in real time, one left to vanish and time out
 async def test_a_short_soak_ends_every_call_and_leaves_no_session(tmp_path):
     # Callers 0 and 1 start at rotation entries 0 and 4: their first two calls cover every kind.
     kinds = [PLANS[i] for i in (0, 1, 4, 5)]

@@ -13,6 +13,8 @@ from lychee_rtc.engine.echo import EchoBackend
 from lychee_rtc.engine.scheduler import MAX_PENDING_CONTROLS, Engine, compact_controls
 from lychee_rtc.media.playout import PlayoutBuffer
 from lychee_rtc.server.app import REGISTRY_KEY
+from lychee_rtc.session.event_stream import EventChannel
+from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.bench.client import RtcClient
 
 
@@ -75,8 +77,9 @@ async def test_repeated_session_close_messages_make_one_teardown(echo_server):
         await client.wait_event("session.created")
         session = app[REGISTRY_KEY].calls[client.session_id].session
         tasks_before = len(session._tasks)
+        native = NativeDialect(session, EventChannel(lambda text: None))  # a second client of the same session
         for _ in range(50):
-            session.handle_message(json.dumps({"type": "session.close"}))
+            native.handle_message(json.dumps({"type": "session.close"}))
         assert len(session._tasks) == tasks_before
         closed = await client.wait_event("session.closed", timeout=20)
         assert closed["reason"] == "client_closed"

@@ -27,6 +27,9 @@ from lychee_rtc.rtc.consent import ice_connections
 from lychee_rtc.pcm import write_wav
 from lychee_rtc.server.app import REGISTRY_KEY
 
+# Headless Chromium starts for each test and plays seconds of speech in real time.
+pytestmark = pytest.mark.timeout(600)
+
 CHROMIUM = "/usr/bin/chromium"
 RATE = 48000
 # A level the echoed speech is far above and the server's silence frames far below.

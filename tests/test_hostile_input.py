@@ -3,18 +3,22 @@ an event a browser cannot parse."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
+from conftest import wait_until
 from contract import check_response
+from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
 from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
 from lychee_rtc.rtc.peer import abandon_peer
 from lychee_rtc.server.app import ENGINE_KEY
-from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
 
 
 async def post_offer(url: str, body: str) -> tuple[int, dict, bytes]:
@@ -141,3 +145,23 @@ async def test_a_media_id_that_is_not_a_token_is_a_400(echo_server):
             assert "not a valid media id" in json.loads(raw)["error"]["message"]
     finally:
         await pc.close()
+
+
+@pytest.mark.parametrize("path", ["/whip", "/v1/rtc/offer", "/v1/realtime/calls"])
+async def test_a_client_that_hangs_up_while_sending_a_body_is_one_log_line(echo_server, caplog, path):
+    url, app = echo_server
+    caplog.set_level(logging.INFO)
+    where = urlsplit(url)
+    reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {where.netloc}\r\nContent-Type: application/sdp\r\n"
+                 f"Content-Length: 4000\r\n\r\nv=0\r\n".encode())
+    await writer.drain()
+    writer.close()
+    await wait_until(lambda: any("closed the connection while sending" in r.getMessage() for r in caplog.records),
+                     what="the note that the client went away")
+    access = [r for r in caplog.records if r.name == "aiohttp.access" and f"POST {path}" in r.getMessage()]
+    assert all(" 500 " not in r.getMessage() for r in access), [r.getMessage() for r in access]
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/readyz") as resp:
+            assert resp.status == 200

@@ -7,7 +7,6 @@ paced by the server's clock, so any delay the path keeps shows up as a larger di
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 

@@ -31,6 +31,9 @@ from test_openai_realtime import KEY, assert_ga_events_valid
 
 from lychee_rtc.server.app import REGISTRY_KEY
 
+# The first run installs the SDK with `npm ci` (allowed 600 s on its own), then drives Chromium.
+pytestmark = pytest.mark.timeout(900)
+
 SDK_DIR = Path(__file__).resolve().parent / "openai_sdk"
 PACKAGE = "@openai/agents-realtime"
 BUNDLE = SDK_DIR / "node_modules" / PACKAGE / "dist" / "bundle" / "openai-realtime-agents.umd.js"

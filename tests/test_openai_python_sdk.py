@@ -1,15 +1,18 @@
 """The official ``openai`` Python SDK (pinned in the ``test`` extra) against this server, unmodified
 apart from its base URL and key: it creates a call from an aiortc offer (multipart, with a session),
-drives it over the sideband WebSocket as an application server would, and hangs it up.
+drives it over the sideband WebSocket as an application server would, and hangs it up. Every event
+either side receives is checked against our schema and the SDK's own models of the server events.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 from conftest import running_server
 from openai import AsyncOpenAI
+from websockets.exceptions import ConnectionClosedOK
 
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.server.app import REGISTRY_KEY
@@ -19,16 +22,30 @@ SILENCE = np.zeros(48000, np.float32)
 
 
 async def next_event(conn, event_type: str, seen: list[dict], timeout: float = 30.0):
-    """Read the sideband until an event of ``event_type`` arrives (every event read is kept)."""
+    """Read the sideband until an event of ``event_type`` arrives (every event read is kept).
+
+    ``seen`` keeps each event as it came over the wire: the SDK builds its objects without
+    validating them, so ``assert_ga_events_valid`` checks the raw JSON (our schema, the SDK's models).
+    """
 
     async def read():
         while True:
-            event = await conn.recv()
-            seen.append(event.model_dump(exclude_unset=True))
+            raw = await conn.recv_bytes()
+            seen.append(json.loads(raw))
+            event = conn.parse_event(raw)
             if event.type == event_type:
                 return event
 
     return await asyncio.wait_for(read(), timeout)
+
+
+async def read_until_closed(conn, seen: list[dict]) -> None:
+    """Keep every event until the server closes the sideband normally."""
+    while True:
+        try:
+            seen.append(json.loads(await conn.recv_bytes()))
+        except ConnectionClosedOK:
+            return
 
 
 async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
@@ -68,11 +85,7 @@ async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
                 await openai.realtime.calls.hangup(call_id)
                 assert call_id not in app[REGISTRY_KEY].calls
                 # The sideband ends with the call.
-                async def drain() -> None:
-                    async for event in conn:
-                        seen.append(event.model_dump(exclude_unset=True))
-
-                await asyncio.wait_for(drain(), 10)
+                await asyncio.wait_for(read_until_closed(conn, seen), 10)
             assert_ga_events_valid(seen)
             assert_ga_events_valid(peer.events)
         finally:

@@ -19,16 +19,18 @@ import pytest
 from conftest import free_port, running_server, synthesize, wait_until
 from sip_tools import (RATE, LoopbackCapture, Rtp, ensure_tools, pcmu_signal, run_sipp, sipp_uac_scenario,
                        speech_pcap, to_8k)
+from strict import unavailable
 from test_rtc_echo import best_match
 
 from lychee_rtc.gateway.janus_sip import dtmf_from_info
 from lychee_rtc.gateway.stack import StackPorts, TelephonyStack
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
+from lychee_rtc.session.event_stream import EventChannel
+from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.session.protocol import validate_server_event
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="SIPp plays RTP from a raw socket and tshark "
-                                "captures on loopback: both need root")
-
+# Kamailio and Janus start once per module (inside the first test's limit) and calls last tens of seconds.
+pytestmark = pytest.mark.timeout(600)
 
 # --- pure parts ------------------------------------------------------------------------------------
 
@@ -45,6 +47,9 @@ def test_sip_info_bodies_give_keys():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> TelephonyStack:
+    """Every test that places a call uses the stack; only those need root."""
+    if os.geteuid() != 0:
+        unavailable("SIPp plays RTP from a raw socket and tshark captures on loopback: both need root")
     ensure_tools()
     logs = tmp_path_factory.mktemp("telephony")
     with TelephonyStack(StackPorts(sip=free_port(), janus_ws=free_port()), log_to=logs) as running:
@@ -120,7 +125,7 @@ async def test_sipp_call_is_answered_echoed_and_ended_by_the_caller(stack, tmp_p
                                                 tmp_path, stack.ports.sip, media))
             (call,) = await answered_session(app)
             tap = EventTap()
-            call.session.attach_channel(tap)
+            NativeDialect(call.session, EventChannel(tap)).attach()
             listing = await sessions_listing(url)
             origin = listing["sessions"][0]["origin"]
             assert origin["kind"] == "sip" and origin["gateway"] == "janus"
@@ -194,7 +199,7 @@ async def test_keys_arrive_as_events_and_hash_ends_the_turn(stack, tmp_path, spe
         sipp = asyncio.create_task(run_sipp(scenario, tmp_path, stack.ports.sip, free_port()))
         (call,) = await answered_session(app)
         tap = EventTap()
-        call.session.attach_channel(tap)
+        NativeDialect(call.session, EventChannel(tap)).attach()
         result = await sipp
         assert result.returncode == 0, result.explain()
         await wait_until(lambda: len(tap.of("input_audio_buffer.dtmf_event_received")) >= 3, 60, "three keys")
@@ -225,7 +230,7 @@ async def test_barge_in_on_the_phone_cuts_the_answer(stack, tmp_path):
                                                 tmp_path, stack.ports.sip, media))
             (call,) = await answered_session(app)
             tap = EventTap()
-            call.session.attach_channel(tap)
+            NativeDialect(call.session, EventChannel(tap)).attach()
             cleared = await wait_until(lambda: tap.of("output_audio_buffer.cleared"), 90, "the answer to be cut")
             result = await sipp
             assert result.returncode == 0, result.explain()
@@ -281,7 +286,7 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
                     pytest.fail("baresip ended before the call: " + (await proc.stdout.read()).decode(errors="replace"))
                 (call,) = await answered_session(app)
                 tap = EventTap()
-                call.session.attach_channel(tap)
+                NativeDialect(call.session, EventChannel(tap)).attach()
                 assert call.session.origin["caller"].startswith("sip:baresip@127.0.0.1")
                 try:
                     await wait_until(lambda: tap.of("output_audio_buffer.stopped") or call.session.closed, 90,

@@ -52,10 +52,6 @@ class MicrophoneTrack(MediaStreamTrack):
         return start
 
     @property
-    def queued_s(self) -> float:
-        return self._queued / RATE
-
-    @property
     def sent_samples(self) -> int:
         """Samples handed to the sender so far (queued audio and the silence between)."""
         return self._n * FRAME

@@ -46,20 +46,14 @@ def add_cluster_parser(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from lychee_rtc.cli import bind_socket
     from lychee_rtc.cluster.entry import create_entry_app
     from lychee_rtc.cluster.placement import import_ray
     from lychee_rtc.config import ConfigError, load_settings
+    from lychee_rtc.server import serve
 
-    overrides: dict[str, Any] = {}
-    if args.host is not None:
-        overrides.setdefault("server", {})["host"] = args.host
-    if args.port is not None:
-        overrides.setdefault("server", {})["port"] = args.port
+    overrides = serve.flag_overrides(args.host, args.port)
     if args.address is not None:
-        overrides.setdefault("cluster", {})["address"] = args.address
+        overrides["cluster"] = {"address": args.address}
     try:
         settings = load_settings(args.config, overrides=overrides)
         import_ray()
@@ -67,20 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"lychee-rtc: {exc}", file=sys.stderr)
         return 2
     host, port = settings.server.host, settings.server.port
-    try:
-        sock = bind_socket(host, port)
-    except OSError as exc:
-        print(f"lychee-rtc: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
     where = settings.cluster.address or "a local Ray"
-    print(f"lychee-rtc cluster entry on http://{host}:{port} (Ray: {where}, engine {settings.engine.name!r})",
-          flush=True)
-    try:
-        web.run_app(create_entry_app(settings), sock=sock, print=None)
-    except Exception as exc:  # Ray start-up and worker placement run inside run_app
-        print(f"lychee-rtc: cluster entry stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return serve.run(create_entry_app(settings), host, port,
+                     f"lychee-rtc cluster entry on http://{serve.url_host(host)}:{port} (Ray: {where}, "
+                     f"engine {settings.engine.name!r})")
 
 
 def _request(url: str, token: str | None, method: str = "GET", body: dict[str, Any] | None = None) -> int:

@@ -20,10 +20,10 @@ from typing import Any, Coroutine, TypeVar
 
 from aiohttp import web
 
-from lychee_rtc.cli import bind_socket
 from lychee_rtc.cluster.ids import session_prefix
 from lychee_rtc.config import Settings
 from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY, create_app
+from lychee_rtc.server.serve import bind_socket, start_site, url_host
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +96,8 @@ class WorkerServer:
         app[REGISTRY_KEY].id_prefix = session_prefix(self.worker_id)
         self.app = app
         sock = _listen(self.host, settings.cluster.worker_ports)
-        runner = web.AppRunner(app, handle_signals=False)
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        self._runner = runner
-        port = sock.getsockname()[1]
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{port}"
+        self._runner = await start_site(app, sock)
+        return f"http://{url_host(self.host)}:{sock.getsockname()[1]}"
 
     # --- called by the entry through Ray -----------------------------------------------------------
 

@@ -72,7 +72,7 @@ class RtcCall:
     async def close_transport(self) -> None:
         """Give the last events (session.closed above all) a moment to be delivered, then drop the peer."""
         deadline = time.monotonic() + EVENT_DRAIN_S
-        while (self.session.buffered_events() > 0 or undelivered_chunks(self.pc.sctp) > 0) \
+        while (self.session.events.buffered() > 0 or undelivered_chunks(self.pc.sctp) > 0) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await abandon(self.pc, self.track)

@@ -22,15 +22,17 @@ from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.engine.scheduler import EngineSlot
 from lychee_rtc.rtc.call import RtcCall, abandon
-from lychee_rtc.rtc.channels import ChannelPort, Dialects
 from lychee_rtc.rtc.codec_threads import limit_codec_threads
 from lychee_rtc.rtc.consent import install_consent_freshness
 from lychee_rtc.rtc.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_event, install_dtmf_tap
 from lychee_rtc.rtc.inbound import consume_audio, drain
 from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
+from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers
 from lychee_rtc.rtc.sctp_guard import SctpGuard
 from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
+from lychee_rtc.session.dialect import DialectMap, ResumableDialect
+from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ class ResumeRefused(Exception):
 
 
 class RtcNegotiator:
-    def __init__(self, settings: Settings, registry: CallRegistry, dialects: Dialects) -> None:
+    def __init__(self, settings: Settings, registry: CallRegistry, dialects: DialectMap) -> None:
         self.settings = settings
         self.registry = registry
         self.dialects = dialects  # data-channel label -> the dialect spoken on it
@@ -76,6 +78,7 @@ class RtcNegotiator:
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
                      metrics: bool = False, origin: dict[str, Any] | None = None) -> RtcCall:
         """``origin``: where the call came from when a connector places it (a SIP gateway's caller)."""
+        quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
             call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin)
@@ -230,14 +233,14 @@ class RtcNegotiator:
             factory = self.dialects.get(channel.label)
             if factory is None:
                 return
-
-            def take_resume_point() -> int | None:
-                last_seq, call.resume_from = call.resume_from, None
-                return last_seq
-
-            dialect = factory(session, ChannelPort(channel.send, lambda: channel.bufferedAmount, take_resume_point))
+            dialect = factory(session, EventChannel(channel.send, lambda: channel.bufferedAmount))
             channel.on("message", dialect.handle_message)
             channel.on("close", dialect.detach)
+            if call.resume_from is not None and isinstance(dialect, ResumableDialect):
+                last_seq, call.resume_from = call.resume_from, None
+                dialect.resume(last_seq)
+            else:
+                dialect.attach()
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:

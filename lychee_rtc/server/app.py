@@ -6,33 +6,33 @@ The HTTP contract is written down in signaling/openapi.yaml; tests check this se
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
 from lychee_rtc import __version__
-from lychee_rtc.config import Settings
-from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.metrics import CallMetrics
 from lychee_rtc.calls.registry import CallRegistry
+from lychee_rtc.config import Settings
+from lychee_rtc.engine.base import SessionOptions
+from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
-from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
+from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.call import RtcCall
-from lychee_rtc.rtc.channels import ChannelPort, Dialects
 from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.rtc.trickle import add_remote_candidates
-from lychee_rtc.server import auth
+from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.openai import routes as realtime
-from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, RealtimeTranslator
+from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
 from lychee_rtc.server.openai.session_config import RealtimeProfile
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
+from lychee_rtc.session.dialect import DialectMap
+from lychee_rtc.session.native import EVENTS_LABEL, NativeDialect
 from lychee_rtc.session.protocol import validator
-from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
 
@@ -43,101 +43,28 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 METRICS_KEY = web.AppKey("metrics", CallMetrics)
 GATEWAY_KEY = web.AppKey("gateway", object)  # the SIP gateway connector, when configured
 
-EVENT_CHANNEL_LABEL = "events"  # this server's own events; "oai-events" speaks OpenAI's GA dialect
-WHIP_PATCH_TYPE = "application/trickle-ice-sdpfrag"
-CORS_EXPOSE = "Location, ETag, Link, Accept-Patch, Accept-Post, Retry-After"
-CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
-# X-OpenAI-Agents-SDK: the OpenAI browser SDK names itself on every call offer.
-CORS_HEADERS = "Authorization, Content-Type, If-Match, X-OpenAI-Agents-SDK"
-
-
-def _json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    # Strict: a browser's JSON.parse rejects NaN and Infinity, so they are never sent.
-    return web.json_response(data, status=status, headers=headers, dumps=strict_json_dumps)
-
-
-def _error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
-           headers: dict[str, str] | None = None) -> web.Response:
-    return _json_response({"error": {"type": error_type, "code": code, "message": message}},
-                             status=status, headers=headers)
-
-
-def _unauthorized(message: str) -> web.Response:
-    return _error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
-
-
-def _full(exc: ServerFull) -> web.Response:
-    return _error(503, "server_full", "all sessions are in use; retry later", "server_error",
-                  {"Retry-After": str(exc.retry_after_s)})
-
-
-def _sdp_error(exc: SdpError) -> web.Response:
-    return _error(422 if exc.unprocessable else 400, "unprocessable_sdp" if exc.unprocessable else "invalid_sdp",
-                  str(exc))
-
-
 # --- middleware ------------------------------------------------------------------------------------
 
 
+def _server_key_guard(request: web.Request) -> web.Response | None:
+    key = request.app[SETTINGS_KEY].server.auth_token
+    if auth.policy_of(request) is Policy.SERVER_KEY and not auth.has_server_key(request, key):
+        return http.unauthorized()
+    return None
+
+
 @web.middleware
-async def cors_and_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    settings = request.app[SETTINGS_KEY]
-    origins = settings.server.cors_origins
-    origin = request.headers.get("Origin")
-    allow = "*" if "*" in origins else (origin if origin in origins else None)
-    if request.method == "OPTIONS":
-        response: web.StreamResponse = web.Response(status=204)
-        if request.path.startswith("/whip"):
-            response.headers["Accept-Post"] = "application/sdp"
-            response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
-    else:
-        key = settings.server.auth_token
-        if auth.policy_of(request) is Policy.SERVER_KEY and not auth.has_server_key(request, key):
-            response = _unauthorized("missing or wrong bearer token")
-        else:
-            try:
-                response = await handler(request)
-            except web.HTTPException as exc:
-                if exc.status >= 400 and exc.content_type != "application/json":
-                    response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
-                    for k in ("Allow",):
-                        if k in exc.headers:
-                            response.headers[k] = exc.headers[k]
-                else:
-                    raise
+async def page_headers(request: web.Request, handler: http.Handler) -> web.StreamResponse:
+    response = await handler(request)
     if request.path == "/" or request.path.startswith("/static/"):
         # The page is ES modules: revalidate so an upgrade never runs a stale mix of files.
         response.headers["Cache-Control"] = "no-cache"
         response.headers["Content-Security-Policy"] = (
             "default-src 'self'; connect-src *; media-src 'self' blob: mediastream:; img-src 'self' data:")
-    if allow is not None:
-        response.headers["Access-Control-Allow-Origin"] = allow
-        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE
-        if request.method == "OPTIONS":
-            response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
-            response.headers["Access-Control-Allow-Headers"] = CORS_HEADERS
-            response.headers["Access-Control-Max-Age"] = "600"
-        if allow != "*":
-            response.headers["Vary"] = "Origin"
     return response
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-async def _read_text(request: web.Request, limit: int) -> str:
-    if request.content_length is not None and request.content_length > limit:
-        raise SdpError(f"body of {request.content_length} bytes exceeds {limit}")
-    try:
-        body = await request.read()  # the whole body, however it was split on the wire
-    except web.HTTPRequestEntityTooLarge:
-        raise SdpError(f"body exceeds {limit} bytes") from None
-    if len(body) > limit:
-        raise SdpError(f"body exceeds {limit} bytes")
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SdpError("body is not UTF-8 text") from None
 
 
 def _session_options(raw: dict[str, Any] | None) -> tuple[SessionOptions, bool]:
@@ -160,7 +87,7 @@ def _ice_links(settings: Settings) -> list[str]:
 
 
 def _whip_headers(call: RtcCall) -> dict[str, str]:
-    return {"ETag": call.etag, "Accept-Patch": WHIP_PATCH_TYPE}
+    return {"ETag": call.etag, "Accept-Patch": http.WHIP_PATCH_TYPE}
 
 
 # --- handlers --------------------------------------------------------------------------------------
@@ -169,44 +96,44 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 @auth.policy(Policy.SESSION)  # a new session needs the server key, a resume the session's token
 async def offer(request: web.Request) -> web.Response:
     try:
-        text = await _read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
-    except SdpError as exc:
-        return _error(413 if "exceeds" in str(exc) else 400, "invalid_body", str(exc))
+        text = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
+    except http.BodyError as exc:
+        return exc.response()
     try:
         body = strict_json_loads(text)
     except JsonError as exc:
-        return _error(400, "invalid_json", f"request body is not valid JSON: {exc}")
+        return http.error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
-        return _error(400, "invalid_request", "request body must be a JSON object")
+        return http.error_response(400, "invalid_request", "request body must be a JSON object")
     if not isinstance(body.get("sdp"), str):
-        return _error(400, "invalid_request", "field 'sdp' (string) is required")
+        return http.error_response(400, "invalid_request", "field 'sdp' (string) is required")
     if body.get("type") != "offer":
-        return _error(400, "invalid_request", "field 'type' must be \"offer\"")
+        return http.error_response(400, "invalid_request", "field 'type' must be \"offer\"")
     unknown = set(body) - {"sdp", "type", "session", "resume"}
     if unknown:
-        return _error(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+        return http.error_response(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
     if "resume" in body:
         return await _resume(request, body)
     if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
-        return _unauthorized("missing or wrong bearer token")
+        return http.unauthorized("missing or wrong bearer token")
     raw_session = body.get("session")
     if raw_session is not None:
         errors = list(validator("session_config").iter_errors(raw_session))
         if errors:
             where = "/".join(str(p) for p in errors[0].path)
-            return _error(400, "invalid_session", f"session{'/' + where if where else ''}: {errors[0].message}")
+            return http.error_response(400, "invalid_session", f"session{'/' + where if where else ''}: {errors[0].message}")
     options, metrics = _session_options(raw_session)
     voices = request.app[ENGINE_KEY].capabilities.voices
     if options.voice is not None and options.voice not in voices:
         choice = f"one of {list(voices)}" if voices else "not selectable with this engine"
-        return _error(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
+        return http.error_response(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
     try:
         call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics)
     except ServerFull as exc:
-        return _full(exc)
+        return http.server_full(exc)
     except SdpError as exc:
-        return _sdp_error(exc)
-    return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+        return http.sdp_refused(exc)
+    return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
                            "session_id": call.session.id, "session_token": call.token})
 
 
@@ -216,32 +143,34 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
     errors = list(validator("resume").iter_errors(resume))
     if errors:
         where = "/".join(str(p) for p in errors[0].path)
-        return _error(400, "invalid_resume", f"resume{'/' + where if where else ''}: {errors[0].message}")
+        return http.error_response(400, "invalid_resume", f"resume{'/' + where if where else ''}: {errors[0].message}")
     if "session" in body:
-        return _error(400, "invalid_request", "a resumed session keeps its options: send no 'session' object")
+        return http.error_response(400, "invalid_request", "a resumed session keeps its options: send no 'session' object")
     try:
         call = await request.app[RTC_KEY].resume(resume["session_id"], resume["session_token"], body["sdp"],
                                                  resume.get("last_seq", 0))
     except ResumeRefused as exc:
         if exc.status == 401:
-            return _unauthorized(exc.message)
-        return _error(exc.status, exc.code, exc.message)
+            return http.unauthorized(exc.message)
+        return http.error_response(exc.status, exc.code, exc.message)
     except SdpError as exc:
-        return _sdp_error(exc)
-    return _json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+        return http.sdp_refused(exc)
+    return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
                            "session_id": call.session.id, "session_token": call.token})
 
 
 async def whip_post(request: web.Request) -> web.Response:
     if request.content_type != "application/sdp":
-        return _error(415, "unsupported_media_type", "WHIP offers must be sent as application/sdp")
+        return http.error_response(415, "unsupported_media_type", "WHIP offers must be sent as application/sdp")
     try:
-        sdp = await _read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
+        sdp = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes, "the SDP offer")
         call = await request.app[RTC_KEY].create(sdp, whip=True)
+    except http.BodyError as exc:
+        return exc.response()
     except ServerFull as exc:
-        return _full(exc)
+        return http.server_full(exc)
     except SdpError as exc:
-        return _sdp_error(exc)
+        return http.sdp_refused(exc)
     location = f"/whip/{call.whip_resource}"
     headers = {"Location": location, **_whip_headers(call)}
     response = web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
@@ -256,9 +185,9 @@ def _session_call(request: web.Request) -> Call | web.Response:
     session_id = request.match_info["session_id"]
     call = request.app[REGISTRY_KEY].calls.get(session_id)
     if call is None:
-        return _error(404, "session_not_found", f"no session {session_id!r}")
+        return http.error_response(404, "session_not_found", f"no session {session_id!r}")
     if not auth.may_use_session(request, call.token, request.app[SETTINGS_KEY].server.auth_token):
-        return _unauthorized("this session needs its session_token (or the server key) as bearer token")
+        return http.unauthorized("this session needs its session_token (or the server key) as bearer token")
     return call
 
 
@@ -266,7 +195,7 @@ def _whip_call(request: web.Request) -> RtcCall | web.Response:
     """The WHIP resource URL is the session's capability: holding it is the authorisation."""
     call = request.app[RTC_KEY].whip_call(request.match_info["resource_id"])
     if call is None:
-        return _error(404, "session_not_found", "no such WHIP resource")
+        return http.error_response(404, "session_not_found", "no such WHIP resource")
     return call
 
 
@@ -275,17 +204,19 @@ async def whip_patch(request: web.Request) -> web.Response:
     call = _whip_call(request)
     if isinstance(call, web.Response):
         return call
-    if request.content_type != WHIP_PATCH_TYPE:
-        return _error(415, "unsupported_media_type", f"PATCH bodies must be {WHIP_PATCH_TYPE}",
-                      headers={"Accept-Patch": WHIP_PATCH_TYPE})
+    if request.content_type != http.WHIP_PATCH_TYPE:
+        return http.error_response(415, "unsupported_media_type", f"PATCH bodies must be {http.WHIP_PATCH_TYPE}",
+                      headers={"Accept-Patch": http.WHIP_PATCH_TYPE})
     if_match = request.headers.get("If-Match")
     if if_match is not None and if_match not in ("*", call.etag):
-        return _error(412, "etag_mismatch", "If-Match does not match the session's ICE entity tag")
+        return http.error_response(412, "etag_mismatch", "If-Match does not match the session's ICE entity tag")
     try:
-        fragment = await _read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
+        fragment = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes, "the SDP fragment")
         await add_remote_candidates(call.pc, fragment)
+    except http.BodyError as exc:
+        return exc.response()
     except SdpError as exc:
-        return _sdp_error(exc)
+        return http.sdp_refused(exc)
     return web.Response(status=204, headers=_whip_headers(call))
 
 
@@ -309,7 +240,7 @@ async def delete_session(request: web.Request) -> web.Response:
 
 async def list_sessions(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY_KEY]
-    return _json_response({
+    return http.json_response({
         "capacity": registry.capacity,
         "free": registry.free,
         "sessions": [call.snapshot() for call in registry.calls.values()],
@@ -321,11 +252,11 @@ async def get_session(request: web.Request) -> web.Response:
     call = _session_call(request)
     if isinstance(call, web.Response):
         return call
-    return _json_response(call.snapshot())
+    return http.json_response(call.snapshot())
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return _json_response({"status": "ok", "version": __version__})
+    return http.json_response({"status": "ok", "version": __version__})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -333,11 +264,11 @@ async def readyz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body = {"engine": engine.capabilities.name, "capacity": registry.capacity, "free": registry.free}
     if not engine.running:
-        return _json_response({"status": "starting", **body}, status=503)
+        return http.json_response({"status": "starting", **body}, status=503)
     if registry.free <= 0:
-        return _json_response({"status": "full", **body}, status=503,
+        return http.json_response({"status": "full", **body}, status=503,
                                  headers={"Retry-After": str(request.app[SETTINGS_KEY].session.retry_after_s)})
-    return _json_response({"status": "ready", **body})
+    return http.json_response({"status": "ready", **body})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -348,38 +279,8 @@ async def metrics(request: web.Request) -> web.Response:
 async def index(request: web.Request) -> web.StreamResponse:
     page = request.app[SETTINGS_KEY].web_root / "index.html"
     if not page.is_file():
-        return _error(404, "not_found", "web client not installed")
+        return http.error_response(404, "not_found", "web client not installed")
     return web.FileResponse(page)
-
-
-# --- data-channel dialects ------------------------------------------------------------------------
-
-
-class _NativeChannel:
-    """The session's own ``events`` protocol on one data channel (a resumed client first gets what it missed)."""
-
-    def __init__(self, session: DuplexSession, port: ChannelPort) -> None:
-        self.session, self.send = session, port.send
-        last_seq = port.take_resume_point()
-        if last_seq is not None:
-            session.resume_channel(port.send, port.buffered_amount, last_seq)
-        else:
-            session.attach_channel(port.send, port.buffered_amount)
-
-    def handle_message(self, raw: str | bytes) -> None:
-        self.session.handle_message(raw)
-
-    def detach(self) -> None:
-        self.session.detach_channel(self.send)
-
-
-def _dialects(profile: RealtimeProfile) -> Dialects:
-    def realtime_channel(session: DuplexSession, port: ChannelPort) -> RealtimeTranslator:
-        translator = RealtimeTranslator(session, profile, port.send, port.buffered_amount)
-        translator.attach()
-        return translator
-
-    return {EVENT_CHANNEL_LABEL: _NativeChannel, OAI_EVENTS_LABEL: realtime_channel}
 
 
 # --- application -----------------------------------------------------------------------------------
@@ -387,7 +288,8 @@ def _dialects(profile: RealtimeProfile) -> Dialects:
 
 def create_app(settings: Settings, engine: Engine | None = None) -> web.Application:
     install_http_log_filter()
-    app = web.Application(middlewares=[cors_and_auth], client_max_size=settings.server.max_sdp_bytes)
+    edge = http.edge_middleware(lambda request: request.app[SETTINGS_KEY].server.cors_origins, _server_key_guard)
+    app = web.Application(middlewares=[edge, page_headers], client_max_size=settings.server.max_sdp_bytes)
     if engine is None:
         engine = Engine(build_backend(settings), settings.session.max_pending_windows)
     call_metrics = CallMetrics()
@@ -396,7 +298,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[METRICS_KEY] = call_metrics
     registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics)
     profile = RealtimeProfile.build(settings, engine.capabilities)
-    rtc = app[RTC_KEY] = RtcNegotiator(settings, registry, _dialects(profile))
+    # What a WebRTC data channel speaks, by its label: the transport is handed this, not the dialects.
+    dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
+    rtc = app[RTC_KEY] = RtcNegotiator(settings, registry, dialects)
 
     app.router.add_post("/v1/rtc/offer", offer)
     app.router.add_get("/v1/sessions", list_sessions)

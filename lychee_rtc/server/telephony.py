@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -23,8 +22,11 @@ from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.server import auth
+from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
+from lychee_rtc.server.event_socket import EventSocket
+from lychee_rtc.session.native import NativeDialect
+from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
 from lychee_rtc.telephony.call import CarrierCall
 from lychee_rtc.telephony.carriers import DIALECTS, HANDSHAKE_EVENTS, Dialect, detect
@@ -37,20 +39,12 @@ from lychee_rtc.telephony.frames import (
     StreamStarted,
     Unhandled,
 )
-from lychee_rtc.telephony.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
 MEDIA_PATH = "/v1/telephony/ws"
 EVENTS_PATH = "/v1/telephony/calls/{call}/events"
 MAX_HANDSHAKE_FRAMES = 4  # frames a carrier may send before its start frame
-COMPANION_OUTBOX_LIMIT = 1024
-COMPANION_MAX_MESSAGE = 64 * 1024
-
-
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"type": "invalid_request_error", "code": code, "message": message}},
-                             status=status, headers=headers)
 
 
 def _request_urls(request: web.Request, settings: Settings) -> list[str]:
@@ -78,11 +72,11 @@ class TelephonyEndpoint:
         telephony = self.settings.telephony
         provider = request.match_info.get("provider")
         if provider is not None and provider not in DIALECTS:
-            return _error(404, "unknown_provider", f"no carrier {provider!r}; one of {sorted(DIALECTS)}")
+            return http.error_response(404, "unknown_provider", f"no carrier {provider!r}; one of {sorted(DIALECTS)}")
         admission = check_request(request.headers, _request_urls(request, self.settings), telephony, provider)
         if admission.refusal is not None:
             log.info("telephony connection refused: %s", admission.refusal)
-            return _error(401, "unauthorized", admission.refusal)
+            return http.error_response(401, "unauthorized", admission.refusal)
         ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, autoping=True)
         await ws.prepare(request)
         try:
@@ -171,28 +165,18 @@ class TelephonyEndpoint:
         key = request.match_info["call"]
         call = next((c for c in self._calls.values() if c.matches(key)), None)
         if call is None:
-            return _error(404, "call_not_found", f"no phone call {key!r}")
+            return http.error_response(404, "call_not_found", f"no phone call {key!r}")
         if call.companion is not None:
-            return _error(409, "event_stream_taken", "this call already has an event stream attached")
-        ws = web.WebSocketResponse(max_msg_size=COMPANION_MAX_MESSAGE, autoping=True)
+            return http.error_response(409, "event_stream_taken", "this call already has an event stream attached")
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
         await ws.prepare(request)
-        outbox = Outbox(COMPANION_OUTBOX_LIMIT)
-        call.companion = outbox
-        writer = asyncio.create_task(outbox.run(ws), name=f"events-writer-{call.session.id}")
-        session = call.session
-        session.attach_channel(outbox.put, lambda: outbox.bytes)
+        socket = EventSocket(ws, f"events-writer-{call.session.id}")
+        call.companion = socket.outbox  # closed by the call when it ends
         try:
-            async for msg in ws:
-                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    session.handle_message(msg.data)
-                elif msg.type == WSMsgType.ERROR:
-                    break
+            await socket.serve(NativeDialect(call.session, socket.channel))
         finally:
-            session.detach_channel(outbox.put)
-            if call.companion is outbox:
+            if call.companion is socket.outbox:
                 call.companion = None
-            outbox.close(1000, "event stream closed")
-            await writer
         return ws
 
 

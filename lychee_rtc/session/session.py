@@ -1,10 +1,12 @@
-"""The duplex session: epochs, response ids, turn state, the event protocol and the window clock.
+"""The duplex session: epochs, response ids, turn state, engine events and the typed controls.
 
 Transport-agnostic: the transport feeds decoded 16 kHz audio in (``push_audio`` / ``push_gap``,
-and keypad digits with ``push_dtmf``),
-hands client messages to ``handle_message``, plays what the session writes into its ``AudioSink``
-and reports playout marks back. Everything here runs on one event loop, which is what makes the
-interrupt sequence of ARCHITECTURE section 4 atomic.
+and keypad digits with ``push_dtmf``), plays what the session writes into its ``AudioSink`` and
+reports playout marks back. Clients reach the session through a dialect (``session/native.py``,
+the OpenAI one in the server), which turns their messages into the typed controls below and writes
+the session's ``events`` (``session/event_stream.py``) in its own vocabulary. Everything here runs
+on one event loop, which is what makes the interrupt sequence (docs/architecture.md, "Epochs")
+atomic.
 """
 
 from __future__ import annotations
@@ -12,13 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Literal
 
 import numpy as np
 
-from lychee_rtc.aio import wait_event
 from lychee_rtc.config import SessionSettings
 from lychee_rtc.engine.base import (
     AudioChunk,
@@ -39,35 +39,22 @@ from lychee_rtc.engine.base import (
     WindowTiming,
 )
 from lychee_rtc.engine.scheduler import EngineSlot
-from lychee_rtc.jsonio import strict_json_dumps
-from lychee_rtc.session.clock import WindowClock
+from lychee_rtc.session.clock import Window, WindowClock
+from lychee_rtc.session.event_stream import EventChannel, EventStream
 from lychee_rtc.session.ledger import ResponseLedger, ResponseRecord
-from lychee_rtc.session.protocol import (
-    MAX_MESSAGE_BYTES,
-    ClientEvent,
-    EventStamper,
-    ProtocolError,
-    error_body,
-    parse_client_event,
-)
+from lychee_rtc.session.message_rate import MessageRate
+from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError, error_body
 from lychee_rtc.session.sink import AudioSink
+from lychee_rtc.session.window_input import WindowInput
 
 log = logging.getLogger(__name__)
 
-# Above this much unsent data on the channel, optional events (metrics) are dropped.
-CHANNEL_HIGH_WATER = 1 << 20
-# Above this, the peer is not reading the channel at all: every event is dropped (and counted).
-CHANNEL_HARD_LIMIT = 8 << 20
-# Client messages: a burst of this many, refilled at this rate; beyond it messages are dropped.
-MESSAGE_BURST = 200
-MESSAGES_PER_SECOND = 100.0
 RESPONSE_SCOPED = (ResponseStarted, TextDelta, CodecTokens, AudioChunk, ResponseDone, BargeIn, TurnState)
 
 
 # What a change of instructions did: nothing new; prefilled as the system prompt before the model
 # first spoke; kept for the model's next context reset (mid-conversation); or not used by this engine.
 InstructionsEffect = Literal["unchanged", "applied", "next_context_reset", "unused"]
-EventListener = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -75,8 +62,6 @@ class SessionCounters:
     messages_in: int = 0
     bad_messages: int = 0
     rate_limited_messages: int = 0
-    events_out: int = 0
-    events_dropped: int = 0
     stale_engine_events: int = 0
     stale_audio_chunks: int = 0
     interruptions: int = 0
@@ -126,38 +111,29 @@ class DuplexSession:
         # gateway: caller, SIP Call-ID); shown in the session's info and its session.created event.
         self.origin = dict(origin) if origin else None
         self.created_at = clock()
-        self.last_audio_at: float | None = None
         self.counters = SessionCounters()
         self.ledger = ResponseLedger()
         self.active_response: str | None = None
         self.window_clock = WindowClock(caps.window_samples, caps.input_rate, settings.window_grace_ms / 1000.0)
+        self.uplink = WindowInput(self.window_clock, self._push_window, clock)
         self.closed = False
         self.close_reason: str | None = None
         self.on_close: Callable[[str], Any] | None = None
         self._close_task: asyncio.Task | None = None
-        self._stamper = EventStamper()
-        self._outbox: deque[str] = deque()
-        # The latest events, as sent, for a client that resumes after losing its connection.
-        self._journal: deque[tuple[int, str]] = deque(maxlen=settings.resume_journal_events)
+        # Every event, once: the native channel writes it as it is, translators listen to it.
+        self.events = EventStream(session_id, settings.event_buffer, settings.resume_journal_events)
         self.suspended = False  # the media path is gone; the session waits for a resume
-        self._resync_uplink = False
-        self._send: Callable[[str], None] | None = None
-        self._listeners: list[EventListener] = []  # translators of other dialects (oai-events, sideband)
-        self._buffered: Callable[[], int] = lambda: 0
         self._tasks: list[asyncio.Task] = []
-        self._clock_wake = asyncio.Event()
         self._first_audio_ms: float | None = None  # reported with the next metrics event
         self._deferred_listen: tuple[str, dict[str, float] | None] | None = None
-        self._message_tokens = float(MESSAGE_BURST)
-        self._message_refill_at = clock()
-        self._rate_error_at = -1.0
+        self._message_rate = MessageRate(clock())
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._engine_events(), name=f"session-{self.id}-events"),
-            asyncio.create_task(self._clock_loop(), name=f"session-{self.id}-clock"),
+            asyncio.create_task(self.uplink.run(), name=f"session-{self.id}-clock"),
         ]
         self.emit("session.created", session=self.describe())
 
@@ -228,6 +204,7 @@ class DuplexSession:
             "age_s": round(self.clock() - self.created_at, 3),
             "counters": {
                 **asdict(self.counters),
+                **asdict(self.events.counters),
                 **{f"window_{k}": v for k, v in asdict(clock).items()},
                 "engine_windows_in": slot.windows_in,
                 "engine_windows_stepped": slot.windows_stepped,
@@ -237,35 +214,6 @@ class DuplexSession:
             },
         }
 
-    # --- the transport's side ----------------------------------------------------------------------
-
-    def attach_channel(self, send: Callable[[str], None], buffered: Callable[[], int] = lambda: 0) -> None:
-        self._send, self._buffered = send, buffered
-        while self._outbox:
-            self._transmit(self._outbox.popleft())
-
-    def add_listener(self, listener: EventListener) -> None:
-        """Receive every event this session emits from now on (a dialect translates them)."""
-        self._listeners.append(listener)
-
-    def remove_listener(self, listener: EventListener) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
-
-    def buffered_events(self) -> int:
-        """Bytes of events handed to the channel and not yet sent (0 without a channel)."""
-        if self._send is None:
-            return 0
-        try:
-            return int(self._buffered())
-        except Exception:
-            return 0
-
-    def detach_channel(self, send: Callable[[str], None] | None = None) -> None:
-        """Stop sending on the channel whose ``send`` this is (or on any channel if None)."""
-        if send is None or self._send == send:
-            self._send = None
-
     # --- losing and resuming the transport ----------------------------------------------------------
 
     def suspend(self, reason: str) -> None:
@@ -274,7 +222,7 @@ class DuplexSession:
         if self.closed or self.suspended:
             return
         self.suspended = True
-        self._send = None
+        self.events.detach()
         if self.active_response is not None:
             self.interrupt("connection_lost")
 
@@ -282,36 +230,32 @@ class DuplexSession:
         """A new transport plays the audio from now on, starting at the current epoch."""
         sink.cut(self.epoch)
         self.sink = sink
-        self._resync_uplink = True
+        self.uplink.resync()
 
-    def resume_channel(self, send: Callable[[str], None], buffered: Callable[[], int], last_seq: int) -> None:
+    def resume_channel(self, channel: EventChannel, last_seq: int) -> None:
         """Attach a resumed client's channel: replay what it missed from the journal, then say so."""
         self.suspended = False
-        self._send, self._buffered = send, buffered
-        self._outbox.clear()  # the journal holds all of it
-        first = self._journal[0][0] if self._journal else last_seq + 1
-        lost = max(0, first - last_seq - 1)
-        replay = [text for seq, text in self._journal if seq > last_seq]
-        for text in replay:
-            self._transmit(text)
-        self.emit("session.resumed", session=self.describe(), replayed=len(replay), lost=lost)
+        replayed, lost = self.events.resume(channel, last_seq)
+        self.emit("session.resumed", session=self.describe(), replayed=replayed, lost=lost)
+
+    # --- the uplink (audio in) ------------------------------------------------------------------------
+
+    @property
+    def last_audio_at(self) -> float | None:
+        return self.uplink.last_audio_at
 
     def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
         if self.closed:
             return
-        now = self.clock() if now is None else now
-        self._resync(now)
-        self.last_audio_at = now
         self.counters.input_samples += len(samples)
-        self._forward_windows(self.window_clock.write(samples, now))
+        self.uplink.audio(samples, now)
 
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
-        if self.closed:
-            return
-        now = self.clock() if now is None else now
-        self._resync(now)
-        self.last_audio_at = now
-        self._forward_windows(self.window_clock.gap(n, now, fill))
+        if not self.closed:
+            self.uplink.gap(n, now, fill)
+
+    def _push_window(self, window: Window) -> None:
+        self.slot.push(window.samples, window.seq, self.epoch)
 
     def push_dtmf(self, digit: str, source: str | None = None) -> None:
         """A keypad digit from the caller: reported, it interrupts the agent like a barge-in, and the
@@ -332,141 +276,37 @@ class DuplexSession:
             self.interrupt("dtmf")
         self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit.upper()))
 
-    def _resync(self, now: float) -> None:
-        if self._resync_uplink:
-            self._resync_uplink = False
-            self._forward_windows(self.window_clock.resync(now))
-
-    def poll_clock(self, now: float | None = None) -> None:
-        self._forward_windows(self.window_clock.poll(self.clock() if now is None else now))
-
-    def _forward_windows(self, windows) -> None:
-        for window in windows:
-            self.slot.push(window.samples, window.seq, self.epoch)
-        self._clock_wake.set()
-
-    async def _clock_loop(self) -> None:
-        while True:
-            deadline = self.window_clock.deadline()
-            if deadline is None:
-                await self._clock_wake.wait()
-                self._clock_wake.clear()
-                continue
-            delay = deadline - self.clock()
-            if delay > 0:
-                self._clock_wake.clear()
-                if await wait_event(self._clock_wake, delay):
-                    continue  # windows moved on; recompute the deadline
-            self.poll_clock()
-
-    # --- events out --------------------------------------------------------------------------------
+    # --- events out ----------------------------------------------------------------------------------
 
     def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
-        event = self._stamper.stamp(event_type, **fields)
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:  # one broken consumer must not starve the others
-                log.exception("session %s: event listener failed on %s", self.id, event_type)
-        text = strict_json_dumps(event)
-        self._journal.append((event["seq"], text))
-        if self._send is None:
-            self._outbox.append(text)
-            while len(self._outbox) > self.settings.event_buffer:
-                self._outbox.popleft()
-                self.counters.events_dropped += 1
-        elif (event_type == "metrics" and self._buffered() > CHANNEL_HIGH_WATER) \
-                or self._buffered() > CHANNEL_HARD_LIMIT:
-            self.counters.events_dropped += 1
-        else:
-            self._transmit(text)
-        return event
+        return self.events.emit(event_type, **fields)
 
-    def _transmit(self, text: str) -> None:
-        try:
-            assert self._send is not None
-            self._send(text)
-            self.counters.events_out += 1
-        except Exception:  # the channel closed under us; the peer's close path ends the session
-            self.counters.events_dropped += 1
-
-    def _error(self, err: ProtocolError) -> None:
+    def report_error(self, err: ProtocolError) -> None:
+        """A client's message was refused: counted, and said on the session's event stream."""
         self.counters.bad_messages += 1
         self.emit("error", error=error_body(err))
 
-    # --- client messages ---------------------------------------------------------------------------
-
-    def handle_message(self, raw: str | bytes) -> None:
-        if self.closed or not self.admit_message():
-            return
-        try:
-            event = parse_client_event(raw)
-            self._dispatch(event)
-        except ProtocolError as err:
-            self._error(err)
-        except Exception:  # never let a message take the transport down with it
-            log.exception("session %s: failed to handle a client message", self.id)
-            self._error(ProtocolError("internal_error", "the server failed to handle this message",
-                                      error_type="server_error"))
-
-    def reject_oversize(self, size: int) -> None:
-        """The transport dropped a message while it arrived, at ``size`` bytes, for being too large."""
-        if self.closed:
-            return
-        self.counters.messages_in += 1
-        self._error(ProtocolError("message_too_large",
-                                  f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
+    # --- client messages, of any dialect -----------------------------------------------------------
 
     def admit_message(self) -> bool:
         """Count a client message, of any dialect, against the session's token bucket, so a
         flooding client cannot monopolise the loop; False: drop it."""
         self.counters.messages_in += 1
         now = self.clock()
-        self._message_tokens = min(float(MESSAGE_BURST),
-                                   self._message_tokens + (now - self._message_refill_at) * MESSAGES_PER_SECOND)
-        self._message_refill_at = now
-        if self._message_tokens >= 1.0:
-            self._message_tokens -= 1.0
+        if self._message_rate.admit(now):
             return True
         self.counters.rate_limited_messages += 1
-        if now - self._rate_error_at >= 1.0:  # one error a second, not one per dropped message
-            self._rate_error_at = now
-            self._error(ProtocolError("rate_limited", f"more than {MESSAGES_PER_SECOND:.0f} messages per second; "
-                                      "messages are being dropped"))
+        if self._message_rate.should_report(now):
+            self.report_error(ProtocolError("rate_limited", MessageRate.describe()))
         return False
 
-    def _dispatch(self, ev: ClientEvent) -> None:
-        p = ev.payload
-        if ev.type == "response.cancel":
-            self.cancel_response(p.get("response_id"), ev.event_id)
-        elif ev.type == "input_audio_buffer.commit":
-            self.commit_input()
-        elif ev.type == "turn.listen":
-            # Always a fence, even with no response yet: a step already running may be about to
-            # start one, and it must not be heard while the session is held.
-            self.held = True
-            self.interrupt("turn.listen")
-            self.slot.control(Control(ControlKind.FORCE_LISTEN, self.epoch))
-        elif ev.type == "turn.release":
-            self.held = False
-            self.slot.control(Control(ControlKind.RELEASE_LISTEN, self.epoch))
-            self._set_state("listening", "turn.release")
-        elif ev.type == "session.update":
-            self.update(p["session"], ev.event_id)
-        elif ev.type == "playback.ack":
-            record = self.ledger.get(p["response_id"])
-            if record is None:
-                raise ProtocolError("response_not_found", f"unknown response {p['response_id']!r}", ev.event_id)
-            record.client_played_ms = float(p["played_ms"])
-        elif ev.type == "ping":
-            fields: dict[str, Any] = {"server_time": time.time(), "epoch": self.epoch}
-            if "client_time" in p:
-                fields["client_time"] = p["client_time"]
-            self.emit("pong", **fields)
-        elif ev.type == "session.close":
-            self.request_close("client_closed")
-        else:  # the schema and this dispatcher disagree: a server bug, said plainly
-            raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id, "server_error")
+    def reject_oversize(self, size: int) -> None:
+        """The transport dropped a message while it arrived, at ``size`` bytes, for being too large."""
+        if self.closed:
+            return
+        self.counters.messages_in += 1
+        self.report_error(ProtocolError("message_too_large",
+                                        f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
 
     # --- typed controls (every dialect ends here) ----------------------------------------------------
 
@@ -483,6 +323,26 @@ class DuplexSession:
         if self.active_response is None:
             return False
         return self.interrupt("client_cancel")
+
+    def hold_listening(self) -> None:
+        """Keep the model listening until ``release_listening``; cuts what it is saying."""
+        # Always a fence, even with no response yet: a step already running may be about to
+        # start one, and it must not be heard while the session is held.
+        self.held = True
+        self.interrupt("turn.listen")
+        self.slot.control(Control(ControlKind.FORCE_LISTEN, self.epoch))
+
+    def release_listening(self) -> None:
+        self.held = False
+        self.slot.control(Control(ControlKind.RELEASE_LISTEN, self.epoch))
+        self._set_state("listening", "turn.release")
+
+    def ack_playback(self, response_id: str, played_ms: float, event_id: str | None = None) -> None:
+        """The client says how much of a response it played (kept in the response ledger)."""
+        record = self.ledger.get(response_id)
+        if record is None:
+            raise ProtocolError("response_not_found", f"unknown response {response_id!r}", event_id)
+        record.client_played_ms = float(played_ms)
 
     def commit_input(self) -> None:
         self.slot.control(Control(ControlKind.COMMIT, self.epoch))
@@ -702,5 +562,5 @@ class DuplexSession:
                           deadline_ms=1000.0 * self.capabilities.window_samples / self.capabilities.input_rate,
                           playout_depth_ms=round(self.sink.depth_ms, 1), **extra)
         elif isinstance(ev, EngineError):
-            self._error(ProtocolError(ev.code, ev.message, None,
+            self.report_error(ProtocolError(ev.code, ev.message, None,
                                       "invalid_request_error" if ev.code.startswith("input_") else "server_error"))

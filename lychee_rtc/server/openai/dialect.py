@@ -1,7 +1,7 @@
 """The OpenAI Realtime GA dialect: the ``oai-events`` channel and the sideband WebSocket.
 
-A translator is one consumer of one call. It listens to the session's own event stream and writes
-the GA events a client written for OpenAI expects (string ``event_id`` on every event, GA session,
+A translator is one consumer of one call, an ``EventDialect`` (``session/dialect.py``) like the
+native one. It listens to the session's own event stream and writes the GA events a client written for OpenAI expects (string ``event_id`` on every event, GA session,
 response and item objects); it reads GA client events and turns them into the session's typed
 controls. It keeps only what the GA shapes need beyond the session's events (item ids, the
 transcript of the response in progress, a few recent items for ``conversation.item.retrieve``),
@@ -26,8 +26,10 @@ from lychee_rtc.server.openai.session_config import (
     wall_clock_of,
 )
 from lychee_rtc.jsonio import strict_json_dumps
+from lychee_rtc.session.dialect import DialectFactory
+from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.protocol import ProtocolError, check_event, decode_event, load_schema
-from lychee_rtc.session.session import CHANNEL_HARD_LIMIT, DuplexSession
+from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,12 @@ class _Response:
 
 
 class RealtimeTranslator:
-    def __init__(self, session: DuplexSession, profile: RealtimeProfile, send: Callable[[str], None],
-                 buffered: Callable[[], int] = lambda: 0, on_closed: Callable[[], None] | None = None) -> None:
+    def __init__(self, session: DuplexSession, channel: EventChannel, profile: RealtimeProfile,
+                 on_closed: Callable[[], None] | None = None) -> None:
+        """``on_closed``: called when the session closes (a sideband then closes its socket)."""
         self.session = session
+        self.channel = channel
         self.profile = profile
-        self._send = send
-        self._buffered = buffered
         self._on_closed = on_closed
         self._prefix = secrets.token_hex(3)
         self._ids = itertools.count(1)
@@ -71,6 +73,7 @@ class RealtimeTranslator:
         self._finished: deque[str] = deque(maxlen=8)  # ended responses, never announced again
         self._update_ignored: tuple[str, ...] | None = None  # set while this consumer's update runs
         self._voice: str | None = None
+        self._last_heard: str | None = None  # the last response whose audio reached the output buffer
         self._created_at_wall = 0.0
         self.events_dropped = 0
         self.attached = False
@@ -81,24 +84,22 @@ class RealtimeTranslator:
         """Start receiving the session's events; the first one sent is ``session.created``."""
         s = self.session
         self._created_at_wall = wall_clock_of(s.created_at, s.clock())
-        s.add_listener(self.on_event)
+        s.events.add_listener(self.on_event)
         self.attached = True
         self._out("session.created", session=self._session_object(s.describe()))
 
     def detach(self) -> None:
-        self.session.remove_listener(self.on_event)
+        self.session.events.remove_listener(self.on_event)
         self.attached = False
 
     # --- out: the session's events as GA events ----------------------------------------------------
 
     def _out(self, event_type: str, **fields: Any) -> None:
-        if self._buffered() > CHANNEL_HARD_LIMIT:  # the peer is not reading at all
+        if not self.channel.has_room():  # the peer is not reading at all
             self.events_dropped += 1
             return
         event = {"type": event_type, "event_id": f"event_{self._prefix}{next(self._ids)}", **fields}
-        try:
-            self._send(strict_json_dumps(event))
-        except Exception:  # the channel closed under us; its close path detaches this translator
+        if not self.channel.send(strict_json_dumps(event)):  # closed under us; its close path detaches us
             self.events_dropped += 1
 
     def _session_object(self, info: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +184,7 @@ class RealtimeTranslator:
                   output_index=0, content_index=0, delta=ev["delta"])
 
     def _on_output_audio_buffer_started(self, ev: dict[str, Any]) -> None:
+        self._last_heard = ev["response_id"]
         self._out("output_audio_buffer.started", response_id=ev["response_id"])
 
     def _on_output_audio_buffer_stopped(self, ev: dict[str, Any]) -> None:
@@ -278,8 +280,11 @@ class RealtimeTranslator:
         elif etype == "response.cancel":
             s.cancel_response(data.get("response_id"), event_id)
         elif etype == "output_audio_buffer.clear":
-            if not s.clear_output_audio():  # nothing was playing: the answer is still "cleared"
-                self._out("output_audio_buffer.cleared", response_id=None)
+            # Nothing playing: the buffer is already clear, and saying so names the last response
+            # heard (OpenAI's event requires a response id; typed clients reject null). Before any
+            # response there is nothing to name, and nothing is said.
+            if not s.clear_output_audio() and self._last_heard is not None:
+                self._out("output_audio_buffer.cleared", response_id=self._last_heard)
         elif etype in ("input_audio_buffer.commit", "response.create"):
             # A full-duplex model chooses itself when to speak: both ask it to answer now.
             s.commit_input()
@@ -290,3 +295,8 @@ class RealtimeTranslator:
             self._out("conversation.item.retrieved", item=item)
         else:  # the schema and this dispatcher disagree: a server bug, said plainly
             raise ProtocolError("not_implemented", f"event type {etype!r} is not handled", event_id, "server_error")
+
+
+def realtime_dialect(profile: RealtimeProfile) -> DialectFactory:
+    """The factory a transport uses for an ``oai-events`` channel."""
+    return lambda session, channel: RealtimeTranslator(session, channel, profile)

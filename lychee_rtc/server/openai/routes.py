@@ -14,19 +14,20 @@ The call id is the session id, so the call is also visible under ``/v1/sessions`
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
+from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
-from lychee_rtc.server import auth
+from lychee_rtc.server import auth, http
+from lychee_rtc.server.event_socket import EventSocket
 from lychee_rtc.server.openai.client_secrets import (
     DEFAULT_TTL_S,
     ClientSecret,
@@ -43,14 +44,12 @@ from lychee_rtc.server.openai.session_config import (
     render_session,
     session_options,
 )
-from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
 
 CALLS_PATH = "/v1/realtime/calls"
 MAX_SESSION_PART_BYTES = 64 * 1024
 MAX_PARTS = 4
 MAX_SIDEBANDS_PER_CALL = 4
-SIDEBAND_QUEUE = 1024  # events waiting for a slow sideband reader; beyond it they are dropped
 
 
 @dataclass
@@ -75,11 +74,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
+def error(status: int, code: str, message: str, error_type: str | None = None,
           param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
-    """OpenAI's error body: ``{"error": {"type", "code", "message", "param"}}``."""
-    return web.json_response({"error": {"type": error_type, "code": code, "message": message, "param": param}},
-                             status=status, headers=headers, dumps=strict_json_dumps)
+    """OpenAI's error body: the shared one with ``param`` always present."""
+    return http.error_response(status, code, message, error_type, headers, param=param)
 
 
 def keyless_is_local(settings: Settings) -> bool:
@@ -98,36 +96,14 @@ def needs_server_key(settings: Settings) -> web.Response | None:
 # --- calls -------------------------------------------------------------------------------------------
 
 
-class BodyError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-async def _read_limited(read_chunk, limit: int, what: str) -> bytes:
-    data = bytearray()
-    while chunk := await read_chunk():
-        data += chunk
-        if len(data) > limit:
-            raise BodyError(413, "invalid_body", f"{what} exceeds {limit} bytes")
-    return bytes(data)
-
-
-def _text(data: bytes, what: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BodyError(400, "invalid_body", f"{what} is not UTF-8 text") from None
-
-
 async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str, Any] | None]:
     """The offer SDP and the optional ``session`` part."""
     if request.content_length is not None and request.content_length > max_sdp + MAX_SESSION_PART_BYTES:
-        raise BodyError(413, "invalid_body", f"body of {request.content_length} bytes is too large")
+        raise http.BodyError(413, "invalid_body", f"body of {request.content_length} bytes is too large")
     if request.content_type == "application/sdp":
-        return _text(await _read_limited(lambda: request.content.read(8192), max_sdp, "the SDP offer"), "the SDP offer"), None
+        return await http.read_text(request, max_sdp, "the SDP offer"), None
     if request.content_type != "multipart/form-data":
-        raise BodyError(415, "unsupported_media_type", "send the offer as application/sdp or multipart/form-data "
+        raise http.BodyError(415, "unsupported_media_type", "send the offer as application/sdp or multipart/form-data "
                         "with parts 'sdp' and 'session'")
     reader = await request.multipart()
     sdp: str | None = None
@@ -137,21 +113,22 @@ async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str
         if part is None:
             break
         if part.name == "sdp":
-            sdp = _text(await _read_limited(part.read_chunk, max_sdp, "part 'sdp'"), "part 'sdp'")
+            sdp = http.as_text(await http.read_limited(part.read_chunk, max_sdp, "part 'sdp'"), "part 'sdp'")
         elif part.name == "session":
-            raw = _text(await _read_limited(part.read_chunk, MAX_SESSION_PART_BYTES, "part 'session'"), "part 'session'")
+            raw = http.as_text(await http.read_limited(part.read_chunk, MAX_SESSION_PART_BYTES, "part 'session'"),
+                               "part 'session'")
             try:
                 session = strict_json_loads(raw)
             except JsonError as exc:
-                raise BodyError(400, "invalid_session", f"part 'session' is not valid JSON: {exc}") from None
+                raise http.BodyError(400, "invalid_session", f"part 'session' is not valid JSON: {exc}") from None
             if not isinstance(session, dict):
-                raise BodyError(400, "invalid_session", "part 'session' must be a JSON object")
+                raise http.BodyError(400, "invalid_session", "part 'session' must be a JSON object")
         else:
-            raise BodyError(400, "invalid_body", f"unknown part {part.name!r}: expected 'sdp' and 'session'")
+            raise http.BodyError(400, "invalid_body", f"unknown part {part.name!r}: expected 'sdp' and 'session'")
     else:
-        raise BodyError(400, "invalid_body", f"more than {MAX_PARTS} parts")
+        raise http.BodyError(400, "invalid_body", f"more than {MAX_PARTS} parts")
     if sdp is None:
-        raise BodyError(400, "invalid_body", "part 'sdp' is required")
+        raise http.BodyError(400, "invalid_body", "part 'sdp' is required")
     return sdp, session
 
 
@@ -170,8 +147,8 @@ async def create_call(request: web.Request) -> web.Response:
                      "is required", headers={"WWW-Authenticate": "Bearer"})
     try:
         sdp, session_part = await _read_offer(request, surface.settings.server.max_sdp_bytes)
-    except BodyError as exc:
-        return error(exc.status, exc.code, exc.message)
+    except http.BodyError as exc:
+        return exc.response(param=None)
     config = merge_configs(secret.session if secret else {}, session_part or {})
     try:
         options = session_options(read_session_config(config, surface.profile))
@@ -180,11 +157,9 @@ async def create_call(request: web.Request) -> web.Response:
     try:
         call = await surface.rtc.create(sdp, options)
     except ServerFull as exc:
-        return error(503, "server_full", "all sessions are in use; retry later", "server_error",
-                     headers={"Retry-After": str(exc.retry_after_s)})
+        return http.server_full(exc, param=None)
     except SdpError as exc:
-        return error(422 if exc.unprocessable else 400, "unprocessable_sdp" if exc.unprocessable else "invalid_sdp",
-                     str(exc), param="sdp")
+        return http.sdp_refused(exc, param="sdp")
     return web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
                         headers={"Location": f"{CALLS_PATH}/{call.session.id}"})
 
@@ -205,11 +180,9 @@ async def create_client_secret(request: web.Request) -> web.Response:
     if (refused := needs_server_key(surface.settings)) is not None:
         return refused
     try:
-        body = strict_json_loads(_text(await _read_limited(lambda: request.content.read(8192),
-                                                           MAX_SESSION_PART_BYTES, "the request body"),
-                                       "the request body") or "{}")
-    except BodyError as exc:
-        return error(exc.status, exc.code, exc.message)
+        body = strict_json_loads(await http.read_text(request, MAX_SESSION_PART_BYTES, "the request body") or "{}")
+    except http.BodyError as exc:
+        return exc.response(param=None)
     except JsonError as exc:
         return error(400, "invalid_json", f"request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
@@ -243,8 +216,7 @@ async def create_client_secret(request: web.Request) -> web.Response:
     options = session_options(request_cfg)
     effective = render_session(surface.profile, session_id=None, instructions=options.instructions,
                                voice=options.voice, expires_at=None)
-    return web.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective},
-                             dumps=strict_json_dumps)
+    return http.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective})
 
 
 # --- sideband ---------------------------------------------------------------------------------------
@@ -266,36 +238,12 @@ async def sideband(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=20.0)
     await ws.prepare(request)
     surface.sidebands[call_id] = surface.sidebands.get(call_id, 0) + 1
-    outbox: asyncio.Queue[str | None] = asyncio.Queue(maxsize=SIDEBAND_QUEUE)
-
-    def send(text: str) -> None:
-        outbox.put_nowait(text)  # QueueFull is counted as a dropped event by the translator
-
-    def ended() -> None:
-        try:
-            outbox.put_nowait(None)
-        except asyncio.QueueFull:
-            writer.cancel()
-
-    async def write() -> None:
-        while (text := await outbox.get()) is not None:
-            await ws.send_str(text)
-        await ws.close(message=b"call ended")
-
-    translator = RealtimeTranslator(call.session, surface.profile, send, on_closed=ended)
-    writer = asyncio.create_task(write(), name=f"sideband-{call_id}")
-    translator.attach()
+    socket = EventSocket(ws, f"sideband-{call_id}")
+    translator = RealtimeTranslator(call.session, socket.channel, surface.profile,
+                                    on_closed=lambda: socket.close("call ended"))
     try:
-        async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                translator.handle_message(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                translator.handle_message(msg.data)  # decoded as UTF-8 JSON, or answered with an error
+        await socket.serve(translator)
     finally:
-        translator.detach()
-        if not writer.done():
-            writer.cancel()
-        await ws.close()
         left = surface.sidebands.get(call_id, 1) - 1
         if left > 0:
             surface.sidebands[call_id] = left

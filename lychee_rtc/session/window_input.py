@@ -1,0 +1,71 @@
+"""The session's uplink: samples and gaps in, whole windows out to the engine, on the window clock.
+
+The transport pushes decoded audio and the gaps it lost as they come; ``WindowClock``
+(``session/clock.py``) cuts them into windows, and this side hands each complete window on and keeps
+a timer on the next deadline, so a window the network did not deliver in time is completed with
+silence without waiting for the next packet (docs/architecture.md, "Where a 400 ms window goes").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Iterable
+
+import numpy as np
+
+from lychee_rtc.aio import wait_event
+from lychee_rtc.session.clock import Window, WindowClock
+
+
+class WindowInput:
+    def __init__(self, clock: WindowClock, forward: Callable[[Window], None], now: Callable[[], float]) -> None:
+        self.clock = clock
+        self.last_audio_at: float | None = None
+        self._forward = forward
+        self._now = now
+        self._resync = False
+        self._wake = asyncio.Event()
+
+    def audio(self, samples: np.ndarray, now: float | None = None) -> None:
+        now = self._arrived(now)
+        self._hand_on(self.clock.write(samples, now))
+
+    def gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
+        now = self._arrived(now)
+        self._hand_on(self.clock.gap(n, now, fill))
+
+    def resync(self) -> None:
+        """A new transport feeds the uplink from now on: re-anchor the clock at its first audio."""
+        self._resync = True
+
+    def poll(self, now: float | None = None) -> None:
+        """Complete the windows whose deadline has passed."""
+        self._hand_on(self.clock.poll(self._now() if now is None else now))
+
+    async def run(self) -> None:
+        """Sleep until the next window's deadline (or until audio moves it), then poll."""
+        while True:
+            deadline = self.clock.deadline()
+            if deadline is None:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            delay = deadline - self._now()
+            if delay > 0:
+                self._wake.clear()
+                if await wait_event(self._wake, delay):
+                    continue  # windows moved on; recompute the deadline
+            self.poll()
+
+    def _arrived(self, now: float | None) -> float:
+        now = self._now() if now is None else now
+        if self._resync:
+            self._resync = False
+            self._hand_on(self.clock.resync(now))
+        self.last_audio_at = now
+        return now
+
+    def _hand_on(self, windows: Iterable[Window]) -> None:
+        for window in windows:
+            self._forward(window)
+        self._wake.set()
