@@ -28,6 +28,7 @@ from lychee_rtc.rtc.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_e
 from lychee_rtc.rtc.inbound import consume_audio, drain
 from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
+from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers
 from lychee_rtc.rtc.sctp_guard import SctpGuard
 from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.session.dialect import DialectMap, ResumableDialect
@@ -77,6 +78,7 @@ class RtcNegotiator:
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
                      metrics: bool = False, origin: dict[str, Any] | None = None) -> RtcCall:
         """``origin``: where the call came from when a connector places it (a SIP gateway's caller)."""
+        quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
             call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin)
