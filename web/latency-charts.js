@@ -3,7 +3,7 @@
 
 import { histogram, percentile } from "./latency-report.js";
 
-const PAD = { left: 44, right: 10, top: 10, bottom: 26 };
+const PAD = { left: 44, right: 10, top: 20, bottom: 26 };
 
 function setup(canvas) {
   // Draw at the device's pixel density so lines stay sharp.
@@ -46,7 +46,7 @@ function axes(c, x0, x1, y0, y1, xLabel, yLabel) {
   const ys = niceStep(y1 - y0, 4);
   for (let y = Math.ceil(y0 / ys) * ys; y <= y1; y += ys) g.fillText(String(Math.round(y * 100) / 100), 4, sy(y) + 4);
   g.fillText(xLabel, PAD.left + w - g.measureText(xLabel).width, PAD.top + h + 24);
-  g.fillText(yLabel, PAD.left + 4, PAD.top + 10);
+  g.fillText(yLabel, 4, 12); // above the plot, clear of the markers' labels
   return { sx, sy, w, h };
 }
 
