@@ -149,6 +149,18 @@ async def test_server_parameter_measures_another_server():
     assert result["server"] == target and len(heard(result)) >= 2, result["summary"]
 
 
+async def test_stop_ends_the_run_with_what_was_measured():
+    async def stop_after_three(page) -> None:
+        await wait_until(lambda: page.evaluate("() => (window.latencyTester.progress?.heard ?? 0) >= 3"),
+                         timeout=300, what="three probes heard")
+        await page.click("#stop")
+
+    async with spawned_server("loopback") as (url, _pid):
+        result = await run_page(url, PageRun(probes=400, interval_ms=250), during=stop_after_three)
+    assert result["stopped_early"] and 3 <= result["summary"]["sent"] < 400, result["summary"]
+    assert result["summary"]["heard"] >= 3
+
+
 async def test_whip_signaling_measures_the_same_way():
     async with spawned_server("loopback") as (url, _pid):
         result = await run_page(url, PageRun(probes=6, interval_ms=300, signaling="whip"))

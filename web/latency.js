@@ -119,7 +119,7 @@ class Run {
   /** Resolves with the worklet's next message that `match` accepts. */
   next(match, timeoutMs) {
     return new Promise((resolve, reject) => {
-      const waiter = { match, resolve };
+      const waiter = { match, resolve, reject };
       this.waiters.push(waiter);
       setTimeout(() => {
         const i = this.waiters.indexOf(waiter);
@@ -129,6 +129,12 @@ class Run {
         }
       }, timeoutMs);
     });
+  }
+
+  /** Stop: no more probes, and whatever waits for the worklet gives up now. */
+  stop() {
+    this.stopped = true;
+    for (const w of this.waiters.splice(0)) w.reject(new Error("stopped"));
   }
 
   onMessage(msg) {
@@ -319,9 +325,9 @@ async function measureLoopback(r, ctx, node, templates) {
     const sent = r.sent.get(p.index);
     p.sent_s = sent ? round3((sent.frame - start) / ctx.sampleRate) : null;
   }
-  if (r.stopped) { // only the probes that had time to come back count
-    const elapsed = (ctx.currentTime * ctx.sampleRate - start - limit) / ctx.sampleRate;
-    r.probes = r.probes.filter((p) => p.sent_s !== null && p.sent_s <= elapsed);
+  if (r.stopped) { // the probes heard, and those that had their whole time to come back and did not
+    const now = ctx.currentTime * ctx.sampleRate;
+    r.probes = r.probes.filter((p) => p.latency_ms !== null || (r.sent.get(p.index)?.frame ?? Infinity) + limit <= now);
   }
 }
 
@@ -425,7 +431,7 @@ ui.exportCsv.addEventListener("click", () => {
   if (result) download(`latency-${result.mode}-${stamp()}.csv`, "text/csv", toCsv(result));
 });
 ui.start.addEventListener("click", () => { run(); });
-ui.stop.addEventListener("click", () => { if (current) current.stopped = true; });
+ui.stop.addEventListener("click", () => current?.stop());
 form.mode.addEventListener("change", () => { document.body.dataset.mode = form.mode.value; });
 document.body.dataset.mode = form.mode.value;
 
