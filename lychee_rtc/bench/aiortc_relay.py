@@ -32,7 +32,14 @@ PCS_KEY = web.AppKey("pcs", set)
 
 
 async def offer(request: web.Request) -> web.Response:
-    body = await request.json()
+    try:
+        body = await request.json()
+        sdp = body["sdp"]
+        if not isinstance(sdp, str) or body.get("type") != "offer":
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        return web.json_response({"error": {"code": "invalid_request", "message": "expected {type: offer, sdp}"}},
+                                 status=400)
     pcs: set[RTCPeerConnection] = request.app[PCS_KEY]
     if len(pcs) >= MAX_CALLS:
         return web.json_response({"error": {"code": "server_full", "message": "relay is full"}}, status=503)
@@ -51,8 +58,13 @@ async def offer(request: web.Request) -> web.Response:
             pcs.discard(pc)
             await pc.close()
 
-    await pc.setRemoteDescription(RTCSessionDescription(body["sdp"], "offer"))
-    await pc.setLocalDescription(await pc.createAnswer())
+    try:
+        await pc.setRemoteDescription(RTCSessionDescription(sdp, "offer"))
+        await pc.setLocalDescription(await pc.createAnswer())
+    except ValueError as exc:  # aiortc's word for an SDP it cannot use
+        pcs.discard(pc)
+        await pc.close()
+        return web.json_response({"error": {"code": "invalid_sdp", "message": str(exc)}}, status=400)
     return web.json_response({"type": "answer", "sdp": pc.localDescription.sdp, "session_id": f"relay_{id(pc):x}",
                               "session_token": ""})
 
