@@ -358,12 +358,15 @@ class ImpairedPath:
             relay = await self._new_relay()
             body = replace_candidates(body.decode(), *relay.server_facing).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        async with self._http.request(request.method, self.upstream + str(request.rel_url), data=body,
-                                      headers=headers, allow_redirects=False) as resp:
-            data = await resp.read()
-            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
-            if relay is not None and resp.status in (200, 201):
-                data = self._rewrite_answer(relay, kind, data)
+        try:
+            async with self._http.request(request.method, self.upstream + str(request.rel_url), data=body,
+                                          headers=headers, allow_redirects=False) as resp:
+                data = await resp.read()
+                out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+                if relay is not None and resp.status in (200, 201):
+                    data = self._rewrite_answer(relay, kind, data)
+        except aiohttp.ClientError as exc:
+            raise web.HTTPBadGateway(text=f"impaired path: the server at {self.upstream} did not answer: {exc}")
         return web.Response(status=resp.status, body=data, headers=out_headers)
 
     def _rewrite_answer(self, relay: UdpRelay, kind: str, data: bytes) -> bytes:
