@@ -26,8 +26,8 @@ from strict import unavailable
 
 from lychee_rtc.bench.browser import PageRun, measure, run_page
 from lychee_rtc.bench.impairment import (
-    Impairment,
     ImpairedPath,
+    Impairment,
     PacketFate,
     PathSettings,
     UdpRelay,

@@ -16,8 +16,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import aiohttp
 from aiohttp import web

@@ -18,10 +18,11 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from lychee_rtc.bench.impairment import ImpairedPath, PathSettings, self_test

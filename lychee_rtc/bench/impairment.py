@@ -12,6 +12,7 @@ the delay and loss that were actually applied, not only the settings.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -49,7 +50,7 @@ class PathSettings:
 
     @classmethod
     def symmetric(cls, *, delay_up_ms: float = 0.0, delay_down_ms: float = 0.0, jitter_ms: float = 0.0,
-                  loss: float = 0.0, rate_kbps: float = 0.0, seed: int = 1) -> "PathSettings":
+                  loss: float = 0.0, rate_kbps: float = 0.0, seed: int = 1) -> PathSettings:
         return cls(Impairment(delay_up_ms, jitter_ms, loss, rate_kbps),
                    Impairment(delay_down_ms, jitter_ms, loss, rate_kbps), seed)
 
@@ -219,7 +220,7 @@ async def self_test(settings: PathSettings, packets: int = 400, spacing_s: float
             "delay_ms_mean": round(sum(delays) / len(delays), 3) if delays else None,
             "delay_ms_p50": round(delays[len(delays) // 2], 3) if delays else None,
             "delay_ms_max": round(delays[-1], 3) if delays else None,
-            "reordered": sum(1 for a, b in zip(order, order[1:]) if b < a),
+            "reordered": sum(1 for a, b in itertools.pairwise(order) if b < a),
         }
     return out
 
@@ -296,7 +297,7 @@ class ImpairedPath:
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "ImpairedPath":
+    async def __aenter__(self) -> ImpairedPath:
         app = web.Application(client_max_size=1 << 20)
         app.router.add_route("*", "/{tail:.*}", self._proxy)
         self._runner = web.AppRunner(app, access_log=None)

@@ -163,8 +163,8 @@ async def measure(url: str, *, probes: int, interval_s: float, loss: float, jitt
 
 def format_report(report: LatencyReport) -> str:
     where = "both ways on the impaired path" if report.path else "uplink, in the client"
-    lines = [f"mouth-to-ear through {report.url} ({report.codec}; loss {report.loss:.1%}, "
-             f"jitter {report.jitter_ms:.0f} ms, {where})"]
+    lines = [(f"mouth-to-ear through {report.url} ({report.codec}; loss {report.loss:.1%}, "
+              f"jitter {report.jitter_ms:.0f} ms, {where})")]
     lines.append(f"{'phase':<12}{'found':>10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}")
     for p in report.phases:
         fmt = lambda v: f"{v:10.1f}" if v is not None else f"{'-':>10}"
