@@ -1,4 +1,4 @@
-"""The session's window clock (ARCHITECTURE section 3).
+"""The session's window clock (docs/architecture.md, "Where a 400 ms window goes").
 
 Uplink audio is cut into exact windows of ``window_samples``. The clock is driven by two inputs:
 ``write`` (decoded samples, appended at the uplink's stream position) and ``gap`` (samples the
