@@ -268,8 +268,8 @@ class DuplexSession:
         if self.closed:
             return
         self.counters.messages_in += 1
-        self.report_error(ProtocolError("message_too_large",
-                                        f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
+        self.report_error(ProtocolError(
+            "message_too_large", f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
 
     # --- typed controls (every dialect ends here) ----------------------------------------------------
 
