@@ -27,8 +27,11 @@ $(VENV)/.installed-model: $(VENV)/.installed
 	$(PIP) install --quiet --progress-bar off -e '.[model]'
 	@touch $@
 
+# What the tests run (docs/testing.md says what each is for): Chromium (browser tests), Janus,
+# Kamailio, SIPp (sip-tester), baresip and tshark (SIP tests), iproute2 (`ip`: the cluster tests'
+# network namespaces), curl (.ci/run), Node.js/npm (the OpenAI browser SDK).
 $(VENV)/.installed-test: $(VENV)/.installed-model
-	@scripts/system-packages chromium janus kamailio sip-tester baresip tshark
+	@scripts/system-packages chromium janus kamailio sip-tester baresip tshark iproute2 curl
 	@command -v npm >/dev/null 2>&1 || scripts/system-packages nodejs npm
 	@echo "installing the test extra"
 	$(PIP) install --quiet --progress-bar off -e '.[test]'
@@ -53,8 +56,9 @@ telephony: install
 	@scripts/system-packages janus kamailio
 	PYTHON=$(PY) scripts/telephony-stack
 
+# -rs: every skip says why. Under CI=true a skip fails the run instead (CUDA-only tests excepted).
 test: install-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement of lychee-rtc in one run, for a fresh GPU machine with no network:
-# environment record, the CUDA-only tests (graph replay equals eager), `lychee-rtc bench gpu`
+# environment record, the CUDA-only tests (graph replay equals eager, for the LM's window programs
+# and the vocoder's per-hop solve), `lychee-rtc bench gpu`
 # (full size, random weights, C = 1,2,4,8,16, eager vs CUDA graphs) and the per-hop vocoder bench.
 # Results land in $OUT (default ./gpu-results); each step logs to its own file and the run goes on
 # when a step fails, so one run leaves everything it could measure. The final line is a summary.
@@ -11,7 +12,7 @@
 # Knobs (environment): PYTHON (default python3), WINDOWS (30), CONCURRENCY (1,2,4,8,16),
 # STEP_TIMEOUT_S (330, the bench gpu step), SMALL_TIMEOUT_S (90, every other step): at most about
 # 9.5 minutes in all. bench gpu writes its report after every C, so a step cut short keeps the Cs
-# it finished.
+# it finished; it exits non-zero when a row has fewer windows than asked or nothing was measured.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -50,11 +51,18 @@ step environment 30 bash -c "
 \"available\", torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"cpu\")'
   git log -1 --format='commit %H %s' 2>/dev/null || true"
 
+# The graph-vs-eager checks of the LM's window programs and the vocoder's per-hop solve skip on CPUs
+# ("needs CUDA"); on the GPU a skipped test fails this step, since it means nothing ran on the GPU.
+GRAPH_TESTS=(tests/test_lychee_graphs.py tests/test_vocoder_graphs.py)
 if [[ $DEVICE == cuda ]]; then
-  # On a GPU this includes the replay-equals-eager check that is skipped on CPUs.
-  step tests_graphs "$SMALL_TIMEOUT_S" "$PY" -m pytest -q -x tests/test_lychee_graphs.py
+  step tests_graphs "$SMALL_TIMEOUT_S" bash -c '
+    py=$0 report=$1; shift
+    "$py" -m pytest -q -x -rs "$@" | tee "$report"; rc=${PIPESTATUS[0]}
+    if grep -q SKIPPED "$report"; then echo "a CUDA test skipped on the GPU"; exit 1; fi
+    exit "$rc"' "$PY" "$OUT/tests_graphs.pytest.txt" "${GRAPH_TESTS[@]}"
 else
-  step tests_graphs "$SMALL_TIMEOUT_S" "$PY" -m pytest -q -x tests/test_lychee_graphs.py -k "bucket or padding or fetch"
+  step tests_graphs "$SMALL_TIMEOUT_S" "$PY" -m pytest -q -x -rs "${GRAPH_TESTS[@]}" \
+    -k "bucket or padding or fetch or switch or signature"
 fi
 
 step bench_gpu "$STEP_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench gpu --size "$SIZE" --device "$DEVICE" \

@@ -96,7 +96,7 @@ def main() -> int:
     from flashcosyvoice.modules.hifigan import ConvRNNF0Predictor, HiFTGenerator as RefHiFT
     from hyperpyyaml import load_hyperpyyaml
 
-    from lychee_rtc.vocoder.streaming import StreamRules, VocoderStream, to_pcm16
+    from lychee_rtc.engine.lychee.token2wav_stream import StreamRules, VocoderStream, to_pcm16
     from lychee_rtc.vocoder.token2wav.frontend import PromptFeatures, prompt_mel
     from lychee_rtc.vocoder.token2wav.model import Token2Wav
     from lychee_rtc.vocoder.token2wav.tiny import PARITY_FLOW, PARITY_HIFT, write_tiny_token2wav

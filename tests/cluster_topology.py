@@ -4,7 +4,8 @@ Where the test may create network namespaces (root, iproute2), each Ray node liv
 its own with its own address on a bridge, so a worker's ICE candidates and its media are that
 node's address and nothing else: the test can assert where each call's media flows. Elsewhere both
 nodes share the machine's addresses (Ray's cluster utilities); the tests then check the candidates
-against the worker's advertised node address only.
+against the worker's advertised node address only, a weaker run that test_cluster.py warns about
+and refuses under CI.
 
 Every process started here is started in a session of its own and ended by its process group id.
 """

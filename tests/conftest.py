@@ -1,4 +1,4 @@
-"""Shared fixtures: synthesised speech and a real server on a loopback port."""
+"""Shared fixtures (synthesised speech, a real server on a loopback port) and the CI skip rule."""
 
 from __future__ import annotations
 
@@ -18,10 +18,56 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from strict import CUDA_REASON_PREFIX, allowed_in_ci, in_ci
+
 from lychee_rtc.config import load_settings
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.server.app import create_app
 
+
+# --- no passing by skipping (tests/strict.py) -----------------------------------------------------
+
+_SKIPS: list[tuple[str, str]] = []  # (test or collector, reason) of every skip in this run
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped:  # a module that skipped itself (pytest.skip at import, importorskip)
+        _SKIPS.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPS.append((report.nodeid, _skip_reason(report)))
+
+
+def _forbidden_skips() -> list[tuple[str, str]]:
+    return [(node, reason) for node, reason in _SKIPS if not allowed_in_ci(reason)] if in_ci() else []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under CI a skip other than a CUDA-only one fails the run: the suite cannot pass by skipping."""
+    if _forbidden_skips() and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    forbidden = _forbidden_skips()
+    if forbidden:
+        terminalreporter.section("skips not allowed under CI", sep="=", red=True, bold=True)
+        for node, reason in forbidden:
+            terminalreporter.line(f"{node}: {reason}", red=True)
+        terminalreporter.line(f"{len(forbidden)} test(s) skipped under CI=true for a reason other than "
+                              f"one starting with {CUDA_REASON_PREFIX!r}: the run fails", red=True)
+
+
+# --- speech -----------------------------------------------------------------------------------------
 
 SPEECH_DIR = Path(__file__).resolve().parent / "fixtures" / "speech"
 

@@ -10,7 +10,7 @@ import aiohttp
 from contract import check_response
 from conftest import running_server
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.server.auth import secret_matches
+from lychee_rtc.calls.tokens import secret_matches
 
 KEY = {"Authorization": "Bearer server-key-1"}
 

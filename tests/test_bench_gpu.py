@@ -1,5 +1,6 @@
 """``lychee-rtc bench gpu`` at tiny size on a CPU: the whole measurement runs and writes its report
-(a couple of windows; no timing is asserted). The full-size run needs a GPU (scripts/gpu_run.sh)."""
+(a couple of windows; no timing is asserted), and a report short of what was asked exits non-zero.
+The full-size run needs a GPU (scripts/gpu_run.sh)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +37,40 @@ def test_bench_gpu_tiny_on_cpu_writes_json_and_markdown(tmp_path):
     assert "| C3 | speak | eager | 2 |" in md and "RTF p50 / p95 / max" in md
 
 
+def test_bench_gpu_fails_when_no_row_was_measured(tmp_path, capsys):
+    # Graphs only, on a CPU: nothing can be measured, so the run must not look like a success.
+    from lychee_rtc.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "gpu", "--size", "tiny", "--device", "cpu", "--windows", "1", "--warmup", "0",
+                 "--concurrency", "1", "--modes", "graphs", "--no-vocoder", "--threads", "1",
+                 "--out", str(out)]) == 1
+    assert "incomplete: no row was measured" in capsys.readouterr().err
+    assert json.loads((out / "bench_gpu.json").read_text())["rows"] == []
+
+
+def test_bench_gpu_names_rows_with_fewer_windows_than_asked(tmp_path):
+    # Rows measured for real at tiny size, judged against more windows than they hold, and
+    # against a concurrency and a mode that were not measured.
+    import torch
+
+    from lychee_rtc.bench.gpu import build_lychee, measure, shortfalls
+
+    torch.set_num_threads(1)
+    model, tokenizer, _ = build_lychee("tiny", torch.device("cpu"), torch.float32)
+    rows = measure(model, tokenizer, None, 1, windows=2, warmup=0, max_seq=1024, modes=["eager"], prompt_tokens=25)
+    assert [(r.state, r.windows) for r in rows] == [("listen", 2), ("speak", 2)]
+    assert shortfalls(rows, [1], ["eager"], 2, {}) == []
+    assert shortfalls(rows, [1], ["eager"], 3, {}) == ["C1 listen eager: 2 of 3 windows measured",
+                                                       "C1 speak eager: 2 of 3 windows measured"]
+    assert shortfalls(rows, [1, 2], ["eager", "graphs"], 2, {4: "out of GPU memory"}) == [
+        "C4 not run: out of GPU memory", "C1 listen graphs: no windows measured",
+        "C1 speak graphs: no windows measured", "C2 listen eager: no windows measured",
+        "C2 listen graphs: no windows measured", "C2 speak eager: no windows measured",
+        "C2 speak graphs: no windows measured"]
+    assert shortfalls([], [1], ["eager"], 2, {}) == ["no row was measured"]
+
+
 def test_building_the_bench_parsers_imports_no_torch():
     code = ("import argparse, sys\nfrom lychee_rtc.bench.cli import add_bench_parser\n"
             "add_bench_parser(argparse.ArgumentParser().add_subparsers())\n"
@@ -43,6 +80,7 @@ def test_building_the_bench_parsers_imports_no_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.timeout(900)  # the script is allowed 600 s on its own
 def test_gpu_run_script_runs_every_step_at_tiny_size(tmp_path):
     """The one script meant for a fresh GPU machine, run here at tiny size on the CPU."""
     out = tmp_path / "results"

@@ -8,16 +8,18 @@ import gc
 import json
 import os
 
+import pytest
 from conftest import PATIENT_WINDOWS, running_server, speech_fixture
 from lychee_rtc.bench.cli import run_bench
 from lychee_rtc.bench.soak import PLANS
-from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
+from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 from lychee_rtc.session.session import DuplexSession
 
 # A vanished call is suspended after media_timeout_s and freed after resume_window_s more.
 SHORT_LOSS = {"media_timeout_s": 1.5, "resume_window_s": 1.0}
 
 
+@pytest.mark.timeout(600)  # four calls of speech in real time, one left to vanish and time out
 async def test_a_short_soak_ends_every_call_and_leaves_no_session(tmp_path):
     # Callers 0 and 1 start at rotation entries 0 and 4: their first two calls cover every kind.
     kinds = [PLANS[i] for i in (0, 1, 4, 5)]
@@ -32,7 +34,7 @@ async def test_a_short_soak_ends_every_call_and_leaves_no_session(tmp_path):
             "--wav", str(speech_fixture("Hello there. This is a test of the echo engine, one two three.")),
             "--interjection-wav", str(speech_fixture("Wait, stop, stop please, I have a question for you.", "en+f3"))])
         status = await run_bench(args)
-        assert not app[MANAGER_KEY].calls
+        assert not app[REGISTRY_KEY].calls
         assert app[ENGINE_KEY].free_slots == app[ENGINE_KEY].capabilities.max_sessions
         # And nothing of the ended calls is still reachable (a task that outlived its session's close
         # used to keep the whole call, peer connection included).

@@ -12,7 +12,7 @@ from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
 from lychee_rtc.engine.echo import EchoBackend
 from lychee_rtc.engine.scheduler import MAX_PENDING_CONTROLS, Engine, compact_controls
 from lychee_rtc.media.playout import PlayoutBuffer
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
 from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.bench.client import RtcClient
@@ -75,7 +75,7 @@ async def test_repeated_session_close_messages_make_one_teardown(echo_server):
     await client.connect()
     try:
         await client.wait_event("session.created")
-        session = app[MANAGER_KEY].calls[client.session_id].session
+        session = app[REGISTRY_KEY].calls[client.session_id].session
         tasks_before = len(session._tasks)
         native = NativeDialect(session, EventChannel(lambda text: None))  # a second client of the same session
         for _ in range(50):

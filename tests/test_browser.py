@@ -23,9 +23,12 @@ from conftest import PATIENT_WINDOWS, running_server
 from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.media.consent import ice_connections
+from lychee_rtc.rtc.consent import ice_connections
 from lychee_rtc.pcm import write_wav
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
+
+# Headless Chromium starts for each test and plays seconds of speech in real time.
+pytestmark = pytest.mark.timeout(600)
 
 CHROMIUM = "/usr/bin/chromium"
 RATE = 48000
@@ -235,10 +238,10 @@ async def test_page_talks_to_the_echo_engine_and_interrupts(tmp_path, utterance)
         await expect(page.locator("#conn-status")).to_have_attribute("data-status", "idle")
         await expect(page.locator("#connect")).to_be_enabled()
         for _ in range(600):
-            if not app[MANAGER_KEY].calls:
+            if not app[REGISTRY_KEY].calls:
                 break
             await asyncio.sleep(0.1)
-        assert not app[MANAGER_KEY].calls, "the session outlived the page's disconnect"
+        assert not app[REGISTRY_KEY].calls, "the session outlived the page's disconnect"
         assert not errors, errors
 
 
@@ -273,7 +276,7 @@ async def test_the_page_resumes_its_session_after_the_path_breaks(tmp_path):
         await page.click("#connect")
         await expect(page.locator("#conn-status")).to_have_attribute("data-status", "connected", timeout=30_000)
         await expect(log_entry(page, "session.created")).to_have_count(1, timeout=15_000)
-        (session_id, call), = app[MANAGER_KEY].calls.items()
+        (session_id, call), = app[REGISTRY_KEY].calls.items()
         # The network path breaks: nothing of this call gets through any more, either way.
         for connection in ice_connections(call.pc):
             for protocol in connection._protocols:
@@ -282,15 +285,15 @@ async def test_the_page_resumes_its_session_after_the_path_breaks(tmp_path):
         await expect(page.locator("#conn-status")).to_have_text("Connected (resumed)", timeout=90_000)
         await expect(page.locator("#log")).to_contain_text("resuming the session, attempt 1")
         await expect(log_entry(page, "session.resumed")).to_have_count(1)
-        assert list(app[MANAGER_KEY].calls) == [session_id] and call.resumes == 1
+        assert list(app[REGISTRY_KEY].calls) == [session_id] and call.resumes == 1
         await expect(page.locator("#session-id")).to_have_text(session_id)
         # Events after the resume arrive once each, in order.
         seqs = await page.locator("#log li[data-seq]").evaluate_all("(lis) => lis.map((li) => Number(li.dataset.seq))")
         assert seqs == sorted(set(seqs)), seqs
         await page.click("#disconnect")
         for _ in range(100):
-            if not app[MANAGER_KEY].calls:
+            if not app[REGISTRY_KEY].calls:
                 break
             await asyncio.sleep(0.1)
-        assert not app[MANAGER_KEY].calls
+        assert not app[REGISTRY_KEY].calls
         assert not errors, errors

@@ -13,10 +13,11 @@ import aiohttp
 import pytest
 from conftest import free_port
 
+from lychee_rtc.cluster.fleet import Fleet, NoPlacement
 from lychee_rtc.cluster.ids import is_worker_id, session_prefix, worker_of
 from lychee_rtc.cluster.metrics import EntryMetrics
-from lychee_rtc.cluster.placement import actor_options, no_room_reason, worker_count, worker_settings
-from lychee_rtc.cluster.registry import DEAD_AFTER_ERRORS, Registry, WorkerView
+from lychee_rtc.cluster.placement import actor_options, no_room_reason, waiting_reason, worker_count, worker_settings
+from lychee_rtc.cluster.registry import DEAD_AFTER_ERRORS, NOT_PLACED, Registry, WorkerView
 from lychee_rtc.config import ConfigError, ClusterSettings, load_settings
 
 
@@ -85,14 +86,16 @@ class _Handle:
         async def result():
             if isinstance(answer, BaseException):
                 raise answer
+            if isinstance(answer, asyncio.Future):  # answered when the test says so
+                return await answer
             if answer is None:
                 await asyncio.sleep(3600)  # a process Ray is restarting answers later
             return answer
         return result()
 
 
-def _registry() -> Registry:
-    return Registry(EntryMetrics(), poll_interval_s=0.01, status_timeout_s=0.05)
+def _registry(status_timeout_s: float = 0.05) -> Registry:
+    return Registry(EntryMetrics(), poll_interval_s=0.01, status_timeout_s=status_timeout_s)
 
 
 def test_least_loaded_worker_with_room_is_chosen():
@@ -101,9 +104,10 @@ def test_least_loaded_worker_with_room_is_chosen():
         view = registry.add(worker, None)
         view.status, view.state = _status(worker, free), "ready"
     assert registry.choose(set()).worker_id == "w1"
-    registry.workers["w1"].pending = 2  # offers in flight count against it
+    for _ in range(2):  # offers being forwarded count against it
+        registry.workers["w1"].placements.begin()
     assert registry.choose(set()).worker_id in ("w0", "w1")
-    registry.workers["w1"].placed = 1
+    registry.workers["w1"].placements.begin().taken()  # and so does a call no report shows yet
     assert registry.choose(set()).worker_id == "w0"
     assert registry.choose({"w0"}) is None  # w1 and w2 have no room left
     registry.workers["w0"].state = "draining"
@@ -223,3 +227,209 @@ async def test_a_worker_ray_gave_up_on_is_dead():
     await registry._poll(view)
     assert view.state == "dead" and "actor died" in view.reason and registry.capacity == 0
     await registry._poll(view)  # not asked again
+
+
+async def _poll_in_background(registry: Registry, view: WorkerView, answer: asyncio.Future) -> asyncio.Task:
+    """A poll whose status request is on its way (sent, not answered) when this returns."""
+    view.handle.answers = [answer]
+    poll = asyncio.ensure_future(registry._poll(view))
+    while view.probe is None:
+        await asyncio.sleep(0)
+    return poll
+
+
+async def test_a_report_requested_before_a_placement_does_not_erase_it():
+    registry = _registry(status_timeout_s=30)
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    assert view.free == 2
+
+    stale = asyncio.get_running_loop().create_future()
+    poll = await _poll_in_background(registry, view, stale)  # requested before the call exists
+    placed = view.placements.begin()
+    assert view.free == 1  # in flight: counted already
+    placed.taken()  # the worker answered the offer: the call is there now
+    stale.set_result(_status("w0", 2, capacity=2))  # computed before the call: still 2 free
+    await poll
+    assert view.state == "ready" and view.status["free"] == 2
+    assert view.free == 1 and registry.choose(set()) is view  # the call still counts
+
+    handle.answers = [_status("w0", 1, capacity=2)]  # requested after the answer: it counts the call
+    await registry._poll(view)
+    assert view.placements.count == 0 and view.free == 1  # counted once, by the worker
+
+
+async def test_a_fresh_report_replaces_what_the_entry_counted():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    for _ in range(2):
+        view.placements.begin().taken()
+    assert view.free == 0 and registry.choose(set()) is None
+    # One of the two calls ended at the worker before the next report: that report says so.
+    handle.answers = [_status("w0", 1, capacity=2)]
+    await registry._poll(view)
+    assert view.placements.count == 0 and view.free == 1
+
+
+async def test_a_placement_that_failed_or_was_refused_counts_no_longer():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    unreachable, refused = view.placements.begin(), view.placements.begin()
+    assert view.free == 0
+    unreachable.released()
+    refused.released()
+    refused.taken()  # a placement ends once: a late second outcome changes nothing
+    assert view.free == 2 and view.placements.count == 0
+
+
+async def test_a_worker_that_answered_full_takes_nothing_until_a_fresh_report():
+    registry = _registry(status_timeout_s=30)
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    stale = asyncio.get_running_loop().create_future()
+    poll = await _poll_in_background(registry, view, stale)
+    registry.mark_full(view)  # another entry filled it
+    stale.set_result(_status("w0", 2, capacity=2))
+    await poll
+    assert view.free == 0 and registry.choose(set()) is None
+    handle.answers = [_status("w0", 1, capacity=2)]
+    await registry._poll(view)
+    assert view.free == 1
+
+
+def test_a_worker_ray_cannot_place_says_why():
+    cpu = ClusterSettings(worker_cpus=0)
+    plain_node = {"CPU": 4.0, "memory": 1e9}
+    reason = waiting_reason(cpu, [plain_node, plain_node], plain_node)
+    assert "no node offers the resource 'lychee_rtc_worker'" in reason
+    assert "--resources '{\"lychee_rtc_worker\": N}'" in reason
+    slot_node = {**plain_node, "lychee_rtc_worker": 1.0}
+    taken = waiting_reason(cpu, [slot_node], plain_node)  # the one slot is another worker's
+    assert taken.startswith("waiting for room") and "cluster.workers" in taken
+    assert waiting_reason(cpu, [slot_node], slot_node) is None  # room: Ray is about to place it
+    gpu = ClusterSettings(worker_gpus=1)
+    assert "no node has 1 GPU" in waiting_reason(gpu, [plain_node], plain_node)
+    many_cpus = ClusterSettings(worker_cpus=8)
+    assert "worker_cpus" in waiting_reason(many_cpus, [{**plain_node, "lychee_rtc_worker": 2.0}], plain_node)
+
+
+async def test_a_starting_worker_shows_why_it_is_not_placed_until_it_is():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    why: list[str | None] = ["no node offers the resource 'x'", None]
+
+    async def unplaced(v: WorkerView) -> str | None:
+        return why.pop(0)
+    registry.unplaced = unplaced
+    handle.answers = [None]  # Ray holds the status request until the actor runs somewhere
+    await registry._poll(view)
+    assert view.state == "starting" and view.reason == NOT_PLACED + "no node offers the resource 'x'"
+    assert view.describe()["reason"] == view.reason
+    await registry._poll(view)  # placed now, loading: the reason goes
+    assert view.state == "starting" and view.reason == ""
+    view.probe.cancel()
+
+
+def _fleet_with(*free: int) -> Fleet:
+    fleet = Fleet(load_settings(None, environ={}))
+    for index, slots in enumerate(free):
+        view = fleet.registry.add(f"w{index}", None)
+        view.status, view.state = _status(f"w{index}", slots, capacity=2), "ready"
+    return fleet
+
+
+async def test_the_fleet_tries_the_next_worker_and_counts_what_it_placed():
+    from lychee_rtc.cluster.proxy import WorkerUnreachable
+
+    fleet = _fleet_with(2, 1)
+    w0, w1 = fleet.registry.workers["w0"], fleet.registry.workers["w1"]
+
+    async def unreachable(view):
+        raise WorkerUnreachable("connection refused")
+    refused = await fleet.on_a_worker(unreachable, lambda a: False, lambda a: True)
+    assert isinstance(refused, NoPlacement) and refused.status == 503 and refused.code == "no_worker_ready"
+    assert w0.state == w1.state == "down" and w0.placements.count == w1.placements.count == 0
+
+    fleet = _fleet_with(2, 2)
+    w0, w1 = fleet.registry.workers["w0"], fleet.registry.workers["w1"]
+    answers = {"w0": "full", "w1": "call"}
+    placed = await fleet.on_a_worker(lambda view: _answer(answers[view.worker_id]), lambda a: a == "full",
+                                     lambda a: a == "call")
+    assert placed.view is w1 and placed.answer == "call"
+    assert w0.free == 0 and w0.placements.count == 0  # full until a fresh report, nothing placed there
+    assert w1.free == 1 and w1.placements.count == 1  # counted until a fresh report
+
+    later = await fleet.on_a_worker(lambda view: _answer("call"), lambda a: False, lambda a: True, settle_later=True)
+    assert later.view is w1 and w1.placements.in_flight == 1  # the caller ends it
+    later.placement.taken()
+    assert w1.placements.in_flight == 0 and w1.placements.count == 2 and w1.free == 0
+    nothing = await fleet.on_a_worker(lambda view: _answer("call"), lambda a: False, lambda a: True)
+    assert isinstance(nothing, NoPlacement) and nothing.code == "server_full"
+
+
+async def _answer(value: str) -> str:
+    return value
+
+
+async def test_the_relay_reports_the_workers_first_frame():
+    """A carrier's stream: the worker sends nothing until it has admitted the call."""
+    from aiohttp import web
+
+    from lychee_rtc.cluster.proxy import open_websocket, relay_websocket
+
+    async def worker(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        connected.set()
+        async for message in ws:
+            await ws.send_str("admitted: " + message.data)
+        return ws
+
+    replies: list[str] = []
+    connected = asyncio.Event()
+    relayed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def entry(request):
+        async with aiohttp.ClientSession() as http:
+            upstream = await open_websocket(http, f"http://127.0.0.1:{worker_port}", request, 10)
+            on_first = lambda: replies.append("first")  # noqa: E731
+            response = await relay_websocket(request, upstream, on_first_reply=on_first)
+        relayed.set_result(None)
+        return response
+
+    worker_app, entry_app = web.Application(), web.Application()
+    worker_app.router.add_get("/ws", worker)
+    entry_app.router.add_get("/ws", entry)
+    runners = []
+    worker_port, entry_port = free_port(), free_port()
+    for app, port in ((worker_app, worker_port), (entry_app, entry_port)):
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"http://127.0.0.1:{entry_port}/ws") as carrier:
+                await asyncio.wait_for(connected.wait(), 10)  # the relay is up; the worker has said nothing
+                assert replies == []
+                await carrier.send_str("start")
+                assert (await carrier.receive_str(timeout=10)) == "admitted: start"
+                assert replies == ["first"]
+                await carrier.send_str("media")
+                assert (await carrier.receive_str(timeout=10)) == "admitted: media"
+                assert replies == ["first"]  # once
+            await asyncio.wait_for(relayed, 10)
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -9,7 +9,7 @@ import aiohttp
 
 from conftest import running_server
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.media.consent import ice_connections
+from lychee_rtc.rtc.consent import ice_connections
 
 
 async def test_expired_consent_closes_the_call_with_its_real_reason(caplog):

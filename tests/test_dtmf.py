@@ -5,7 +5,7 @@ import struct
 import pytest
 from aiortc import RTCPeerConnection, RTCRtpSender
 
-from lychee_rtc.media.dtmf import DtmfDecoder, enable_telephone_event, parse_telephone_event
+from lychee_rtc.rtc.dtmf import DtmfDecoder, enable_telephone_event, parse_telephone_event
 
 
 def payload(event: int, end: bool, duration: int, volume: int = 10) -> bytes:

@@ -17,7 +17,7 @@ from conftest import wait_until
 from contract import check_response
 from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
 from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
-from lychee_rtc.media.peer import abandon_peer
+from lychee_rtc.rtc.peer import abandon_peer
 from lychee_rtc.server.app import ENGINE_KEY
 
 

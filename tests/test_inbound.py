@@ -10,7 +10,7 @@ from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
 
 from lychee_rtc.engine.base import EngineCapabilities
-from lychee_rtc.media.inbound import InboundCounters, consume_audio
+from lychee_rtc.rtc.inbound import InboundCounters, consume_audio
 
 
 class ScriptedTrack(MediaStreamTrack):

@@ -2,7 +2,7 @@
 
 from aiortc.rtp import RtpPacket
 
-from lychee_rtc.media.jitter import LowLatencyJitterBuffer
+from lychee_rtc.rtc.jitter import LowLatencyJitterBuffer
 
 
 class FakeClock:

@@ -7,14 +7,13 @@ paced by the server's clock, so any delay the path keeps shows up as a larger di
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 
 from conftest import running_server
 from lychee_rtc.bench.client import RATE, LinkImpairment, RtcClient
 from lychee_rtc.bench.probes import chirp, find_onsets, matched_filter
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
 
 INTERVAL = RATE // 2
 
@@ -52,7 +51,7 @@ async def _distances(jitter_buffer: str) -> tuple[list[int], list[int], int]:
             # Everything sent has come back (the loopback engine answers each 20 ms at once).
             await client.wait_audio(client.received.end + RATE)
             onsets = find_onsets(client.received.signal(), probe)
-            call = next(iter(app[MANAGER_KEY].calls.values()))
+            call = next(iter(app[REGISTRY_KEY].calls.values()))
             lost = call.inbound.gaps
         finally:
             await client.close()

@@ -24,10 +24,12 @@ from lychee_rtc.engine.lychee.graphs import (
     fetch,
     use_cuda_graphs,
 )
-from lychee_rtc.engine.lychee.runner import LycheeRunner, Mode, RunnerSettings
+from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
+from lychee_rtc.engine.lychee.slot import Mode
 from lychee_rtc.engine.lychee.scoring import score_teacher_forced
 from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
 from lychee_rtc.engine.lychee.tokenizer import Tokenizer
+from strict import CUDA_REASON_PREFIX
 
 GREEDY = dict(temperature=0.0, no_repeat_ngram=0, start_speak_factor=1.0, start_listen_factor=1.0,
               max_speech_tokens=10**6)
@@ -220,7 +222,7 @@ def test_graphs_are_selected_only_on_cuda(model, tok, ckpt):
     assert LycheeEngineSettings.from_mapping(base | {"cuda_graphs": "off"}).runner_settings().cuda_graphs == "off"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{CUDA_REASON_PREFIX}: graph capture and replay")
 def test_replayed_graphs_give_the_eager_tokens(ckpt, tok):  # pragma: no cover - GPU only
     model = load_model(ckpt, dtype="fp32", device="cuda", progress=False)
     plan = {s: (0, 8) for s in (0, 1, 3)}

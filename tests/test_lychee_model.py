@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -53,9 +54,16 @@ def test_config_parses_released_style_fields(ckpt):
                                              ("step_audio_2_full_duplex", "LycheeFullDuplexForConditionalGeneration"),
                                              ("step_audio_2_full_duplex", "LycheeFullDuplex")])
 def test_config_accepts_aliases(model_type, arch):
+    canonical = parse_config(tiny_config(TinySpec()))
     raw = tiny_config(TinySpec())
     raw["model_type"], raw["architectures"] = model_type, [arch]
-    parse_config(raw)
+    cfg = parse_config(raw)
+    assert cfg.model_type == model_type and cfg.architectures == (arch,)
+    # an alias names the same model: every other field is the canonical config's
+    assert dataclasses.replace(cfg, model_type=canonical.model_type, architectures=canonical.architectures) == canonical
+    raw["architectures"] = [arch + "V2"]
+    with pytest.raises(ConfigError, match="architectures"):
+        parse_config(raw)
 
 
 @pytest.mark.parametrize("mutate,field", [

@@ -63,7 +63,7 @@ async def test_lychee_tiny_serves_a_webrtc_session(tiny_root):
 async def test_lychee_tiny_takes_the_agents_instructions_over_the_ga_dialect(tiny_root):
     from test_openai_realtime import assert_ga_events_valid, open_call
 
-    from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
+    from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 
     lychee = {"model_root": tiny_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
               "progress": False, "seed": 1, "token2wav": None}
@@ -80,7 +80,7 @@ async def test_lychee_tiny_takes_the_agents_instructions_over_the_ga_dialect(tin
             client.send({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
             updated = await client.wait_event("session.updated", timeout=20)
             assert updated["lychee_rtc"]["instructions"] == "applied"
-            session = app[MANAGER_KEY].calls[call_id].session
+            session = app[REGISTRY_KEY].calls[call_id].session
             backend = app[ENGINE_KEY].backend
             slot = backend.runner.slots[session.slot.index]
             for _ in range(100):  # the restart runs on the engine thread

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import lychee_rtc.engine.lychee.runner as runner_mod
+import lychee_rtc.engine.lychee.decode as decode_mod
 from lychee_rtc.engine.base import (
     BargeIn,
     CodecTokens,
@@ -21,7 +21,8 @@ from lychee_rtc.engine.base import (
     TextDelta,
 )
 from lychee_rtc.engine.lychee.checkpoint import load_model
-from lychee_rtc.engine.lychee.runner import LycheeRunner, Mode, RunnerSettings
+from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
+from lychee_rtc.engine.lychee.slot import Mode
 from lychee_rtc.engine.lychee.sampling import control_decision, ngram_banned
 from lychee_rtc.engine.lychee.scoring import score_teacher_forced
 from lychee_rtc.engine.lychee.tiny import write_tiny_checkpoint
@@ -152,7 +153,7 @@ def test_natural_end_emits_codes_then_completed(ckpt, tok, monkeypatch):
     # <tts_end>, is chosen at the first free step after the forced delay prefix.
     m = load_model(ckpt, dtype="fp32", progress=False)
     m.merge_model.norm.weight.data.zero_()
-    monkeypatch.setattr(runner_mod, "control_decision", Scripted([0], [1, 1, 1]))
+    monkeypatch.setattr(decode_mod, "control_decision", Scripted([0], [1, 1, 1]))
     r = LycheeRunner(m, tok, 1, RunnerSettings(max_seq=512, temperature=0.0, start_speak_factor=2.0, start_listen_factor=1.0))
     r.open(0, SessionOptions())
     ev = run(r, {0: windows(5)})[0]
@@ -172,7 +173,7 @@ def test_natural_end_emits_codes_then_completed(ckpt, tok, monkeypatch):
 
 
 def test_barge_in_and_cancel_follow_the_epoch_contract(model, tok, monkeypatch):
-    monkeypatch.setattr(runner_mod, "control_decision", Scripted([0], [1, 0]))
+    monkeypatch.setattr(decode_mod, "control_decision", Scripted([0], [1, 0]))
     r = LycheeRunner(model, tok, 1, RunnerSettings(max_seq=512, start_speak_factor=2.0, start_listen_factor=1.0))
     r.open(0, SessionOptions())
     ev = run(r, {0: windows(3)})[0]
@@ -210,7 +211,7 @@ def test_client_cancel_and_forced_listen(model, tok):
 
 def test_context_limit_resets_and_never_overflows(model, tok, monkeypatch):
     # Always decide to speak and keep speaking: the hard stop must end the response cleanly.
-    monkeypatch.setattr(runner_mod, "control_decision", Scripted([0] * 50, [1] * 50))
+    monkeypatch.setattr(decode_mod, "control_decision", Scripted([0] * 50, [1] * 50))
     r = LycheeRunner(model, tok, 1, RunnerSettings(max_seq=200, context_reserve_windows=3,
                                                    start_speak_factor=2.0, start_listen_factor=1.0,
                                                    max_speech_tokens=1000, max_text_tokens=1000))
@@ -283,5 +284,5 @@ def test_restart_prefills_new_instructions_and_update_waits_for_the_next_reset(m
     r.apply_controls(0, [Control(ControlKind.UPDATE, 1, SessionOptions(instructions="Be brief."))])
     assert s.text == before and s.prefix_ids == ref.slots[0].prefix_ids
     assert tok.decode(s.pending_prefix_ids) == "<|BOT|>system\nBe brief.<|EOT|>"
-    r._start_context(s)  # what the context policy does when the context is nearly full
+    r.start_context(s)  # what the context policy does when the context is nearly full
     assert tok.decode(s.prefix_ids) == "<|BOT|>system\nBe brief.<|EOT|>" and s.pending_prefix_ids is None

@@ -29,7 +29,10 @@ from playwright.async_api import Page
 from test_browser import SPEECH_RMS, chromium, write_mic_wav
 from test_openai_realtime import KEY, assert_ga_events_valid
 
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
+
+# The first run installs the SDK with `npm ci` (allowed 600 s on its own), then drives Chromium.
+pytestmark = pytest.mark.timeout(900)
 
 SDK_DIR = Path(__file__).resolve().parent / "openai_sdk"
 PACKAGE = "@openai/agents-realtime"
@@ -118,12 +121,12 @@ async def test_official_browser_sdk_talks_interrupts_and_hangs_up(tmp_path, sdk_
         # connect() resolved on session.updated, not on the SDK's 5 s fallback.
         call_id = await until(page, "() => window.harness.callId", timeout=60)
         assert not any("Timed out waiting for session.updated" in w for w in warnings), warnings
-        assert call_id in app[MANAGER_KEY].calls  # read from Location, exposed across origins
+        assert call_id in app[REGISTRY_KEY].calls  # read from Location, exposed across origins
         offers = await page.evaluate("() => window.harness.offers")
         assert len(offers) == 1 and "m=audio" in offers[0] and "a=candidate" not in offers[0]
         await until(page, seen("session.created"))
         await until(page, seen("session.updated"))
-        server_session = app[MANAGER_KEY].calls[call_id].session
+        server_session = app[REGISTRY_KEY].calls[call_id].session
         assert server_session.options.instructions == "Reply briefly."  # the agent's, from session.update
 
         # The echo engine answers the fake microphone's sentence, and the page hears it.
@@ -159,8 +162,8 @@ async def test_official_browser_sdk_talks_interrupts_and_hangs_up(tmp_path, sdk_
         # close() ends the server's session.
         await page.evaluate("() => window.harness.session.close()")
         for _ in range(300):
-            if call_id not in app[MANAGER_KEY].calls:
+            if call_id not in app[REGISTRY_KEY].calls:
                 break
             await asyncio.sleep(0.1)
-        assert call_id not in app[MANAGER_KEY].calls, "the session outlived the SDK's close()"
+        assert call_id not in app[REGISTRY_KEY].calls, "the session outlived the SDK's close()"
         assert not page_errors, page_errors

@@ -1,34 +1,51 @@
 """The official ``openai`` Python SDK (pinned in the ``test`` extra) against this server, unmodified
 apart from its base URL and key: it creates a call from an aiortc offer (multipart, with a session),
-drives it over the sideband WebSocket as an application server would, and hangs it up.
+drives it over the sideband WebSocket as an application server would, and hangs it up. Every event
+either side receives is checked against our schema and the SDK's own models of the server events.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 from conftest import running_server
 from openai import AsyncOpenAI
+from websockets.exceptions import ConnectionClosedOK
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
 from test_openai_realtime import KEY, assert_ga_events_valid, strip_candidates
 
 SILENCE = np.zeros(48000, np.float32)
 
 
 async def next_event(conn, event_type: str, seen: list[dict], timeout: float = 30.0):
-    """Read the sideband until an event of ``event_type`` arrives (every event read is kept)."""
+    """Read the sideband until an event of ``event_type`` arrives (every event read is kept).
+
+    ``seen`` keeps each event as it came over the wire: the SDK builds its objects without
+    validating them, so ``assert_ga_events_valid`` checks the raw JSON (our schema, the SDK's models).
+    """
 
     async def read():
         while True:
-            event = await conn.recv()
-            seen.append(event.model_dump(exclude_unset=True))
+            raw = await conn.recv_bytes()
+            seen.append(json.loads(raw))
+            event = conn.parse_event(raw)
             if event.type == event_type:
                 return event
 
     return await asyncio.wait_for(read(), timeout)
+
+
+async def read_until_closed(conn, seen: list[dict]) -> None:
+    """Keep every event until the server closes the sideband normally."""
+    while True:
+        try:
+            seen.append(json.loads(await conn.recv_bytes()))
+        except ConnectionClosedOK:
+            return
 
 
 async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
@@ -41,7 +58,7 @@ async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
                 sdp=offer, session={"type": "realtime", "model": "gpt-realtime", "instructions": "Be brief."})
             # The SDK returns the answer; the call id is in the Location header.
             call_id = answer.response.headers["location"].rsplit("/", 1)[1]
-            assert answer.response.status_code == 201 and call_id in app[MANAGER_KEY].calls
+            assert answer.response.status_code == 201 and call_id in app[REGISTRY_KEY].calls
             await peer.accept_answer(answer.text, timeout=30)
             created = await peer.wait_event("session.created")
             assert created["session"]["instructions"] == "Be brief."
@@ -66,13 +83,9 @@ async def test_python_sdk_creates_drives_and_hangs_up_a_call(utterance):
                 await peer.wait_event("output_audio_buffer.cleared", response_id=response.response.id)
 
                 await openai.realtime.calls.hangup(call_id)
-                assert call_id not in app[MANAGER_KEY].calls
+                assert call_id not in app[REGISTRY_KEY].calls
                 # The sideband ends with the call.
-                async def drain() -> None:
-                    async for event in conn:
-                        seen.append(event.model_dump(exclude_unset=True))
-
-                await asyncio.wait_for(drain(), 10)
+                await asyncio.wait_for(read_until_closed(conn, seen), 10)
             assert_ga_events_valid(seen)
             assert_ga_events_valid(peer.events)
         finally:

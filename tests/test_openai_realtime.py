@@ -3,7 +3,7 @@
 The peer posts its offer the way OpenAI's clients do (raw SDP, or multipart with a session) and,
 like the browser SDK, with every candidate removed: the server learns the peer's address from its
 connectivity checks. Every GA event received is checked against the ``oai.server.*`` definitions
-of signaling/events.schema.json.
+of signaling/events.schema.json and against the ``openai`` package's models of the server events.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import zlib
 import aiohttp
 import numpy as np
 import pytest
-from conftest import running_server
+from conftest import running_server, wait_until
 from contract import check_response
+from openai_events import assert_openai_server_events
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
 from lychee_rtc.server.openai import client_secrets
 from lychee_rtc.server.openai.client_secrets import ClientSecrets, InvalidClientSecret, SessionTooLarge
 from lychee_rtc.server.openai.routes import REALTIME_KEY
@@ -52,8 +53,10 @@ def strip_candidates(sdp: str) -> str:
 
 
 def assert_ga_events_valid(events: list[dict]) -> None:
+    """Against our schema and, independently, the ``openai`` package's models (tests/openai_events.py)."""
     for event in events:
         validator(f"oai.server.{event['type']}").validate(event)
+    assert_openai_server_events(events)
     ids = [e["event_id"] for e in events]
     assert len(set(ids)) == len(ids), "event ids repeat"
 
@@ -88,7 +91,7 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
     async with running_server(server={"auth_token": KEY}) as (url, app):
         client, call_id = await open_call(url, AUTH)
         try:
-            assert call_id in app[MANAGER_KEY].calls
+            assert call_id in app[REGISTRY_KEY].calls
             created = await client.wait_event("session.created")
             assert created["session"]["type"] == "realtime" and created["session"]["id"] == call_id
             assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
@@ -100,10 +103,14 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
             assert updated["lychee_rtc"]["instructions"] == "unused"  # the echo engine has no prompt
             assert set(updated["lychee_rtc"]["ignored"]) == {
                 "model", "audio.input.transcription", "audio.input.turn_detection.type"}
-            # The partial update the SDK sends after session.created.
+            # A clear before any response has no response to name, so it is not answered (events are
+            # handled in order: the update after it is answered once the clear has been handled).
             n = len(client.events)
+            client.send({"type": "output_audio_buffer.clear"})
+            # The partial update the SDK sends after session.created.
             client.send({"type": "session.update", "session": {"type": "realtime", "tracing": "auto"}})
             partial = await client.wait_event("session.updated", after=n)
+            assert not client.events_of("output_audio_buffer.cleared") and not client.events_of("error")
             assert partial["lychee_rtc"]["ignored"] == ["tracing"]
             assert partial["session"]["instructions"] == SDK_SESSION["instructions"]
 
@@ -127,8 +134,12 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
             assert done["response"]["id"] == rid and done["response"]["status"] == "cancelled"
             assert done["response"]["status_details"]["reason"] == "client_cancelled"
             assert done["response"]["output"][0]["status"] == "incomplete"
-            # The second request found nothing playing; it is still answered.
-            idle_clear = await client.wait_event("output_audio_buffer.cleared", timeout=10, response_id=None)
+            # The second request found nothing playing; it is still answered, naming the response last
+            # heard (the event's response_id is a string to OpenAI's clients, never null).
+            await wait_until(lambda: len(client.events_of("output_audio_buffer.cleared")) == 2, 10,
+                             "the answer to the second clear")
+            idle_clear = client.events_of("output_audio_buffer.cleared")[1]
+            assert idle_clear["response_id"] == rid
             assert client.events.index(cleared) < client.events.index(done) < client.events.index(idle_clear)
             item_done = [e for e in client.events_of("conversation.item.done") if e["item"]["role"] == "assistant"]
             assert item_done and item_done[0]["previous_item_id"] == user_item["item"]["id"]
@@ -157,7 +168,7 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
                 async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
                     assert resp.status == 200
                     check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
-                assert call_id not in app[MANAGER_KEY].calls
+                assert call_id not in app[REGISTRY_KEY].calls
                 async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=AUTH) as resp:
                     assert resp.status == 404
                     check_response(HANGUP, "POST", resp.status, resp.headers, await resp.read())
@@ -174,7 +185,7 @@ async def test_multipart_session_sets_instructions_before_the_call_opens():
             created = await client.wait_event("session.created")
             assert created["session"]["instructions"] == "Answer in French."
             assert created["session"]["audio"]["output"]["voice"] is None  # no such voice here
-            assert app[MANAGER_KEY].calls[call_id].session.options.instructions == "Answer in French."
+            assert app[REGISTRY_KEY].calls[call_id].session.options.instructions == "Answer in French."
         finally:
             await client.close()
 

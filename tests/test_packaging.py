@@ -20,6 +20,9 @@ import pytest
 from conftest import free_port
 from lychee_rtc.bench.client import RtcClient
 
+# Building and installing the wheel (allowed 600 s on its own) happens inside the first test's limit.
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,7 +1,7 @@
 
 import numpy as np
 
-from lychee_rtc.media.outbound import PacedAudioTrack
+from lychee_rtc.rtc.outbound import PacedAudioTrack
 from lychee_rtc.media.playout import PlayoutBuffer
 
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from conftest import running_server
 from lychee_rtc.bench.client import RATE, RtcClient
-from lychee_rtc.media.consent import ice_connections
-from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
+from lychee_rtc.rtc.consent import ice_connections
+from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 from lychee_rtc.session.protocol import validate_server_event
 
 # Talks, prints every event as it arrives, and is killed (no close, no BYE) while being answered.
@@ -61,7 +61,7 @@ async def test_a_client_that_vanishes_mid_answer_resumes_the_same_session(uttera
             while not any(e["type"] == "output_audio_buffer.started" for e in seen):
                 seen.append(json.loads(await asyncio.wait_for(proc.stdout.readline(), 90)))
             started = next(e for e in seen if e["type"] == "output_audio_buffer.started")
-            call = app[MANAGER_KEY].calls[session_id]
+            call = app[REGISTRY_KEY].calls[session_id]
             slot = call.session.slot
             proc.send_signal(signal.SIGKILL)  # mid-answer: the path is gone without a word
             await proc.wait()
@@ -92,7 +92,7 @@ async def test_a_client_that_vanishes_mid_answer_resumes_the_same_session(uttera
             assert done["response"]["status_details"]["reason"] == "connection_lost"
             for event in resumed.events:
                 validate_server_event(event)
-            assert call.session.slot is slot and app[MANAGER_KEY].calls[session_id] is call
+            assert call.session.slot is slot and app[REGISTRY_KEY].calls[session_id] is call
             assert old_pc.connectionState == "closed"
 
             # The same session answers on the new connection, in the epoch it had reached.
@@ -138,10 +138,10 @@ async def test_a_resume_needs_the_token_and_the_window():
                 await other.close()
             # Past the window the session is gone, with its slot.
             for _ in range(400):
-                if session_id not in app[MANAGER_KEY].calls:
+                if session_id not in app[REGISTRY_KEY].calls:
                     break
                 await asyncio.sleep(0.05)
-            assert session_id not in app[MANAGER_KEY].calls
+            assert session_id not in app[REGISTRY_KEY].calls
             assert app[ENGINE_KEY].free_slots == app[ENGINE_KEY].capabilities.max_sessions
             late = RtcClient(url)
             try:

@@ -10,8 +10,8 @@ from aiortc.rtcicetransport import RTCIceGatherer, RTCIceTransport
 from aiortc.rtcsctptransport import SCTP_DATA_FIRST_FRAG, SCTP_DATA_LAST_FRAG, DataChunk, RTCSctpTransport
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.media.sctp_guard import SctpGuard
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.rtc.sctp_guard import SctpGuard
+from lychee_rtc.server.app import REGISTRY_KEY
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 
 FRAGMENT = 1172  # aiortc's user data per DATA chunk
@@ -105,7 +105,7 @@ async def test_the_answer_advertises_the_limit_and_an_oversize_message_gets_an_e
         assert err["error"]["code"] == "message_too_large"
         client.send({"type": "ping", "client_time": 7.0})
         await client.wait_event("pong", timeout=20, client_time=7.0)
-        guard = app[MANAGER_KEY].calls[client.session_id].sctp_guard
+        guard = app[REGISTRY_KEY].calls[client.session_id].sctp_guard
         assert guard is not None and guard.counters.oversize_messages == 1
         assert guard.counters.peak_buffered <= MAX_MESSAGE_BYTES
     finally:

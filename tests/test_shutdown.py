@@ -14,7 +14,7 @@ import pytest
 
 from conftest import running_server
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY
+from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ HANGUP_THEN_STOP = textwrap.dedent("""
     from aiohttp import web
     from lychee_rtc.bench.client import RtcClient
     from lychee_rtc.config import load_settings
-    from lychee_rtc.server.app import MANAGER_KEY, create_app
+    from lychee_rtc.server.app import REGISTRY_KEY, create_app
 
     async def main():
         with socket.socket() as s:
@@ -43,10 +43,10 @@ HANGUP_THEN_STOP = textwrap.dedent("""
         for c in clients:
             await c.connect()
             await c.wait_event("session.created", timeout=30)
-        manager = app[MANAGER_KEY]
-        hanging_up = list(manager.calls)
+        registry = app[REGISTRY_KEY]
+        hanging_up = list(registry.calls)
         for session_id in hanging_up:
-            asyncio.ensure_future(manager.close(session_id, "client_closed"))
+            asyncio.ensure_future(registry.close(session_id, "client_closed"))
         await asyncio.sleep(0)  # their close has begun: each waits for its slot to be released
         await runner.cleanup()  # SIGTERM's path: on_shutdown closes every call
         reasons = {}
@@ -54,7 +54,7 @@ HANGUP_THEN_STOP = textwrap.dedent("""
             closed = await c.wait_event("session.closed", timeout=20)
             reasons[c.session_id] = closed["reason"]
             await c.close()
-        print(json.dumps({"left": len(manager.calls), "hung_up": hanging_up, "reasons": reasons}), flush=True)
+        print(json.dumps({"left": len(registry.calls), "hung_up": hanging_up, "reasons": reasons}), flush=True)
 
     asyncio.run(main())
 """)
@@ -84,8 +84,8 @@ async def test_a_call_whose_teardown_hangs_is_forced_after_the_grace():
             for c in clients:
                 await c.connect()
                 await c.wait_event("session.created", timeout=30)
-            manager = app[MANAGER_KEY]
-            stuck = manager.calls[clients[0].session_id]
+            registry = app[REGISTRY_KEY]
+            stuck = registry.calls[clients[0].session_id]
             hang = asyncio.Event()
 
             async def never_closes() -> None:  # fault injection: a transport that never finishes closing
@@ -94,11 +94,11 @@ async def test_a_call_whose_teardown_hangs_is_forced_after_the_grace():
             real_close = stuck.pc.close
             stuck.pc.close = never_closes
             try:
-                await asyncio.wait_for(manager.close_all("server_shutdown"), 30)
+                await asyncio.wait_for(registry.close_all("server_shutdown"), 30)
             finally:
                 hang.set()
                 await real_close()
-            assert manager.calls == {}
+            assert registry.calls == {}
             assert app[ENGINE_KEY].free_slots == app[ENGINE_KEY].capabilities.max_sessions
             for c in clients:
                 closed = await c.wait_event("session.closed", timeout=20)

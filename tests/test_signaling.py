@@ -226,7 +226,7 @@ async def test_bearer_token_is_enforced_when_configured():
 
 async def test_offer_with_audio_and_video_is_answered_and_video_is_drained(echo_server):
     url, app = echo_server
-    from lychee_rtc.server.app import MANAGER_KEY
+    from lychee_rtc.server.app import REGISTRY_KEY
 
     pc = RTCPeerConnection()
     pc.addTransceiver(MicrophoneTrack(), direction="sendrecv")
@@ -240,7 +240,7 @@ async def test_offer_with_audio_and_video_is_answered_and_video_is_drained(echo_
 
         answer = json.loads(body)
         assert "m=audio" in answer["sdp"] and "m=video" in answer["sdp"]
-        call = app[MANAGER_KEY].calls[answer["session_id"]]
+        call = app[REGISTRY_KEY].calls[answer["session_id"]]
         kinds = sorted(t.get_name().rsplit("-", 1)[1] for t in call.tasks if t.get_name().startswith("inbound"))
         assert kinds == ["audio", "video"]
     finally:

@@ -19,18 +19,18 @@ import pytest
 from conftest import free_port, running_server, synthesize, wait_until
 from sip_tools import (RATE, LoopbackCapture, Rtp, ensure_tools, pcmu_signal, run_sipp, sipp_uac_scenario,
                        speech_pcap, to_8k)
+from strict import unavailable
 from test_rtc_echo import best_match
 
 from lychee_rtc.gateway.janus_sip import dtmf_from_info
 from lychee_rtc.gateway.stack import StackPorts, TelephonyStack
-from lychee_rtc.server.app import GATEWAY_KEY, MANAGER_KEY
+from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
 from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.session.protocol import validate_server_event
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="SIPp plays RTP from a raw socket and tshark "
-                                "captures on loopback: both need root")
-
+# Kamailio and Janus start once per module (inside the first test's limit) and calls last tens of seconds.
+pytestmark = pytest.mark.timeout(600)
 
 # --- pure parts ------------------------------------------------------------------------------------
 
@@ -47,6 +47,9 @@ def test_sip_info_bodies_give_keys():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> TelephonyStack:
+    """Every test that places a call uses the stack; only those need root."""
+    if os.geteuid() != 0:
+        unavailable("SIPp plays RTP from a raw socket and tshark captures on loopback: both need root")
     ensure_tools()
     logs = tmp_path_factory.mktemp("telephony")
     with TelephonyStack(StackPorts(sip=free_port(), janus_ws=free_port()), log_to=logs) as running:
@@ -91,9 +94,9 @@ class EventTap:
 
 
 async def answered_session(app, count: int = 1):
-    manager = app[MANAGER_KEY]
-    await wait_until(lambda: len(manager.calls) >= count, 60, f"{count} answered call(s)")
-    return list(manager.calls.values())
+    registry = app[REGISTRY_KEY]
+    await wait_until(lambda: len(registry.calls) >= count, 60, f"{count} answered call(s)")
+    return list(registry.calls.values())
 
 
 async def sessions_listing(url: str) -> dict:
@@ -179,7 +182,7 @@ async def test_calls_up_to_capacity_then_busy(stack, tmp_path, speech_8k):
         assert app[GATEWAY_KEY].counters.busy == 1
         for call in calls:  # both held calls are still up, then the server ends them
             assert not call.session.closed
-            await app[MANAGER_KEY].close(call.session.id, "deleted")
+            await app[REGISTRY_KEY].close(call.session.id, "deleted")
         for result in await asyncio.gather(*held):
             assert result.returncode == 0, result.explain()
 
@@ -278,7 +281,7 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
                 "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "40",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             try:
-                await wait_until(lambda: app[MANAGER_KEY].calls or proc.returncode is not None, 60, "the call")
+                await wait_until(lambda: app[REGISTRY_KEY].calls or proc.returncode is not None, 60, "the call")
                 if proc.returncode is not None:
                     pytest.fail("baresip ended before the call: " + (await proc.stdout.read()).decode(errors="replace"))
                 (call,) = await answered_session(app)
@@ -293,7 +296,7 @@ async def test_baresip_calls_and_hears_the_echo(stack, tmp_path, speech_8k):
                     proc.kill()
                     print((await proc.communicate())[0].decode(errors="replace")[-4000:])
                     raise
-                await app[MANAGER_KEY].close(call.session.id, "deleted")
+                await app[REGISTRY_KEY].close(call.session.id, "deleted")
                 out = (await asyncio.wait_for(proc.communicate(), 60))[0]
             finally:
                 if proc.returncode is None:

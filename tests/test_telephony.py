@@ -30,7 +30,7 @@ from test_rtc_echo import best_match, through_16k
 
 from lychee_rtc.bench.carrier import CarrierEmulator
 from lychee_rtc.pcm import PcmResampler
-from lychee_rtc.server.app import MANAGER_KEY
+from lychee_rtc.server.app import REGISTRY_KEY
 from lychee_rtc.session.protocol import validate_server_event
 from lychee_rtc.telephony.auth import TWILIO_SIGNATURE
 
@@ -104,7 +104,7 @@ async def test_call_both_ways(provider, short_utterance):
             if spec(provider)["stop"] is not None:
                 await asyncio.wait_for(phone.closed.wait(), 20)
                 assert phone.log.close_code == 1000
-            await until(lambda: not app[MANAGER_KEY].calls, what="the call leaving the manager")
+            await until(lambda: not app[REGISTRY_KEY].calls, what="the call leaving the registry")
             status, body = await get_json(url, "/v1/sessions")
             assert status == 200 and body["sessions"] == [] and body["free"] == body["capacity"]
         finally:

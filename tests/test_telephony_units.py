@@ -9,7 +9,10 @@ import json
 import av
 import numpy as np
 import pytest
+from aiohttp import encode_basic_auth
 from telephony_support import CREDENTIALS, PROVIDERS, spec
+from twilio.request_validator import RequestValidator
+from yarl import URL
 
 from lychee_rtc.bench.carrier import fill, match
 from lychee_rtc.config import TelephonySettings
@@ -181,17 +184,14 @@ def test_plivo_extra_headers():
 
 def test_credentials_per_carrier():
     url = "wss://bot.example.com/v1/telephony/ws"
-    sig = twilio_signature(CREDENTIALS["twilio"]["auth_token"], url)
+    twilio = RequestValidator(CREDENTIALS["twilio"]["auth_token"])
+    sig = twilio.compute_signature(url, {})
     assert check_request({TWILIO_SIGNATURE: sig}, [url], SETTINGS).carriers == {"twilio"}
-    # Signed with the default port spelled out, checked without it (and the other way round).
-    sig443 = twilio_signature(CREDENTIALS["twilio"]["auth_token"], "wss://bot.example.com:443/v1/telephony/ws")
-    assert check_request({TWILIO_SIGNATURE: sig443}, [url], SETTINGS).carriers == {"twilio"}
-    assert url_variants("ws://h:80/p") == ["ws://h:80/p", "ws://h/p"]
-    wrong = check_request({TWILIO_SIGNATURE: twilio_signature("other", url)}, [url], SETTINGS)
+    wrong = check_request({TWILIO_SIGNATURE: RequestValidator("other").compute_signature(url, {})}, [url], SETTINGS)
     assert wrong.refusal and not wrong.carriers
     assert check_request({TELNYX_TOKEN: CREDENTIALS["telnyx"]["token"]}, [url], SETTINGS).carriers == {"telnyx"}
-    basic = base64.b64encode(b"exokey:exotoken").decode()
-    assert check_request({"Authorization": f"Basic {basic}"}, [url], SETTINGS).carriers == {"exotel"}
+    basic = encode_basic_auth(CREDENTIALS["exotel"]["username"], CREDENTIALS["exotel"]["password"])
+    assert check_request({"Authorization": basic}, [url], SETTINGS).carriers == {"exotel"}
     assert check_request({"Authorization": "Basic !!!"}, [url], SETTINGS).refusal
     bearer = f"Bearer {CREDENTIALS['vonage']['token']}"
     assert check_request({"Authorization": bearer}, [url], SETTINGS).carriers == {"vonage"}
@@ -199,6 +199,64 @@ def test_credentials_per_carrier():
     none = check_request({}, [url], SETTINGS)
     assert none.plivo_pending and none.refusal is None
     assert check_request({}, [url], TelephonySettings()).refusal  # nothing configured: nobody gets in
+
+
+# Known answers: what the carriers' own code (or the standard they follow) produces, never our signer.
+
+TWILIO_URLS = [
+    "wss://bot.example.com/v1/telephony/ws",
+    "wss://bot.example.com/v1/telephony/ws/twilio?tenant=acme&lang=en-GB",
+    "wss://bot.example.com:8443/v1/telephony/ws",
+    "ws://127.0.0.1:8080/v1/telephony/ws",
+]
+
+
+@pytest.mark.parametrize("url", TWILIO_URLS)
+def test_twilio_signatures_made_by_twilios_own_validator_are_accepted(url):
+    token = CREDENTIALS["twilio"]["auth_token"]
+    twilio = RequestValidator(token)
+    # A WebSocket upgrade is a GET: Twilio signs the full URL (query included) and no parameters.
+    signature = twilio.compute_signature(url, {})
+    assert check_request({TWILIO_SIGNATURE: signature}, [url], SETTINGS).carriers == {"twilio"}
+    assert twilio.validate(url, {}, twilio_signature(token, url))  # and Twilio accepts what we would sign
+    tampered = url.replace("/v1/", "/v2/")
+    assert check_request({TWILIO_SIGNATURE: twilio.compute_signature(tampered, {})}, [url], SETTINGS).refusal
+
+
+def test_twilio_signatures_with_or_without_the_default_port_are_accepted():
+    # Signers differ on spelling out the default port; Twilio's validator computes both ways for https.
+    twilio = RequestValidator(CREDENTIALS["twilio"]["auth_token"])
+    plain, with_port = "wss://bot.example.com/v1/telephony/ws", "wss://bot.example.com:443/v1/telephony/ws"
+    for signed, checked in ((with_port, plain), (plain, with_port)):
+        signature = twilio.compute_signature(signed, {})
+        assert check_request({TWILIO_SIGNATURE: signature}, [checked], SETTINGS).carriers == {"twilio"}
+    assert twilio.validate("https://h/p", {}, twilio.compute_signature("https://h:443/p", {}))
+    assert url_variants("https://h/p") == ["https://h/p", "https://h:443/p"]
+    assert url_variants("ws://h:80/p") == ["ws://h:80/p", "ws://h/p"]
+
+
+def test_exotel_basic_credentials_as_the_standard_and_a_client_library_encode_them():
+    # RFC 7617 section 2's example: user "Aladdin", password "open sesame".
+    rfc = TelephonySettings(exotel={"username": "Aladdin", "password": "open sesame"})
+    url = "wss://bot.example.com/v1/telephony/ws"
+    assert check_request({"Authorization": "Basic QWxhZGRpbjpvcGVuIHNlc2FtZQ=="}, [url], rfc).carriers == {"exotel"}
+    wrong = "Basic QWxhZGRpbjpvcGVuIHNlc2Ft"  # "Aladdin:open sesam"
+    assert check_request({"Authorization": wrong}, [url], rfc).refusal
+    # Exotel takes the credentials in the stream URL (docs/telephony.md); the header is what a client
+    # library makes of that URL's user information.
+    documented = URL(f"wss://{CREDENTIALS['exotel']['username']}:{CREDENTIALS['exotel']['password']}"
+                     "@bot.example.com/v1/telephony/ws")
+    header = encode_basic_auth(documented.user or "", documented.password or "")
+    assert check_request({"Authorization": header}, [url], SETTINGS).carriers == {"exotel"}
+
+
+def test_vonage_bearer_token_as_the_standard_writes_it():
+    # RFC 6750 section 2.1's example token: token68 characters ('.', '-', '_') pass unchanged.
+    rfc = TelephonySettings(vonage={"token": "mF_9.B5f-4.1JqM"})
+    url = "wss://bot.example.com/v1/telephony/ws"
+    assert check_request({"Authorization": "Bearer mF_9.B5f-4.1JqM"}, [url], rfc).carriers == {"vonage"}
+    assert check_request({"Authorization": "bearer mF_9.B5f-4.1JqM"}, [url], rfc).carriers == {"vonage"}
+    assert check_request({"Authorization": "Bearer mF_9.B5f-4.1Jq"}, [url], rfc).refusal
 
 
 # --- the carrier pacer ----------------------------------------------------------------------------

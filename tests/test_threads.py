@@ -9,6 +9,8 @@ import threading
 
 import av
 import numpy as np
+import pytest
+from av.filter import Graph
 
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.pcm import FrameResampler, PcmResampler
@@ -34,19 +36,37 @@ def frame48k() -> av.AudioFrame:
     return f
 
 
+def filter_graphs() -> int:
+    """FFmpeg filter graphs alive in this process (each resampler builds one on its first frame)."""
+    return sum(1 for o in gc.get_objects() if isinstance(o, Graph))
+
+
 def test_resamplers_start_no_threads_and_close_frees_them():
-    before = os_threads()
-    resamplers = [FrameResampler("flt", "mono", 16000) for _ in range(8)]
-    for r in resamplers:
-        assert len(np.concatenate([f.to_ndarray().reshape(-1) for f in r.resample(frame48k())])) > 0
-    pcm = [PcmResampler(16000, 48000) for _ in range(8)]
-    for r in pcm:
-        assert len(r.process(np.ones(1600, np.float32))) > 0
-    assert os_threads() == before
-    for r in resamplers:
-        r.close()
-    for r in pcm:
-        r.close()
+    gc.collect()
+    gc.disable()  # close() must free the graphs by itself, not leave them to the collector
+    try:
+        before_threads, before_graphs = os_threads(), filter_graphs()
+        resamplers = [FrameResampler("flt", "mono", 16000) for _ in range(8)]
+        for r in resamplers:
+            assert len(np.concatenate([f.to_ndarray().reshape(-1) for f in r.resample(frame48k())])) > 0
+        pcm = [PcmResampler(16000, 48000) for _ in range(8)]
+        for r in pcm:
+            assert len(r.process(np.ones(1600, np.float32))) > 0
+        assert os_threads() == before_threads
+        assert filter_graphs() == before_graphs + 16
+        for r in resamplers:
+            r.close()
+        for r in pcm:
+            r.close()
+        assert filter_graphs() == before_graphs
+        assert os_threads() == before_threads
+    finally:
+        gc.enable()
+    for closed in resamplers:  # a closed resampler says so instead of building a new graph
+        with pytest.raises(ValueError, match="closed"):
+            closed.resample(frame48k())
+    with pytest.raises(ValueError, match="closed"):
+        pcm[0].process(np.ones(160, np.float32))
 
 
 async def test_live_sessions_add_no_threads_and_ended_ones_leave_none(echo_server, utterance):

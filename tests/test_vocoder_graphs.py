@@ -1,5 +1,5 @@
-"""CUDA graphs of the flow's per-hop solve: the switch, the eager fallback, and (with CUDA only)
-graph replay against eager streaming."""
+"""CUDA graphs of the flow's per-hop solve: the switch, the eager path on CPU tensors, and (with CUDA
+only, also run by scripts/gpu_run.sh) graph replay against eager streaming."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from lychee_rtc.bench.token2wav_bench import random_model, random_voice
-from lychee_rtc.vocoder.settings import Token2WavSettings, VocoderSettingsError
-from lychee_rtc.vocoder.streaming import VocoderStream, synthesize_hops
+from lychee_rtc.engine.lychee.token2wav_settings import Token2WavSettings, VocoderSettingsError
+from lychee_rtc.engine.lychee.token2wav_stream import VocoderStream, synthesize_hops
 from lychee_rtc.vocoder.token2wav.graphs import GraphedSolve, signature, use_cuda_graphs
 from lychee_rtc.vocoder.token2wav.model import Token2Wav
 from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
+from strict import CUDA_REASON_PREFIX
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +54,23 @@ def test_switch_selects_graphs_only_on_cuda(vocoder_dir):
         Token2WavSettings.from_mapping(dict(vocoder_dir) | {"cuda_graphs": "on", "device": "cpu"})
 
 
-def test_graphed_solve_on_cpu_tensors_runs_eagerly_and_unchanged():
+def test_graph_switch_on_cpu_tensors_runs_the_eager_solve_and_captures_nothing():
+    # With the switch on, every streaming solve goes through GraphedSolve; on CPU tensors it must
+    # hand them to the eager solve untouched (CUDA graphs exist only on CUDA). Graph replay against
+    # eager is the CUDA test below.
     torch.set_num_threads(1)
     eager = random_model("tiny", "cpu", torch.float32)
     graphed = random_model("tiny", "cpu", torch.float32)
     graphed.flow.decoder.enable_cuda_graphs(max_graphs=2)
-    a, b = stream_pcm(eager, 4), stream_pcm(graphed, 4)
-    assert all(len(x) > 0 and np.array_equal(x, y) for x, y in zip(a, b))
     g = graphed.flow.decoder.graphs
-    assert g is not None and g.captures == 0 and g.replays == 0 and not g.seen
+    assert g is not None
+    calls = []
+    solve = g.fn
+    g.fn = lambda *args: calls.append(len(args)) or solve(*args)
+    a, b = stream_pcm(eager, 4), stream_pcm(graphed, 4)
+    assert calls  # the solves went through the graph switch
+    assert all(len(x) > 0 and np.array_equal(x, y) for x, y in zip(a, b))
+    assert g.captures == 0 and g.replays == 0 and not g.seen
 
 
 def test_signature_tells_shapes_dtypes_and_missing_inputs_apart():
@@ -73,7 +82,7 @@ def test_signature_tells_shapes_dtypes_and_missing_inputs_apart():
         GraphedSolve(lambda: (), max_graphs=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{CUDA_REASON_PREFIX}: graph capture and replay")
 def test_replayed_solve_streams_the_eager_audio():  # pragma: no cover - GPU only
     eager = random_model("tiny", "cuda", torch.float32)
     graphed = random_model("tiny", "cuda", torch.float32)

@@ -9,7 +9,7 @@ import torch
 from lychee_rtc.engine.base import AudioChunk, CodecTokens, Control, ControlKind, SessionOptions, SlotWindow
 from lychee_rtc.engine.lychee.backend import build_lychee_backend
 from lychee_rtc.engine.lychee.tiny import write_tiny_checkpoint
-from lychee_rtc.vocoder.slots import Token2WavPool
+from lychee_rtc.engine.lychee.token2wav_slots import Token2WavPool
 from lychee_rtc.vocoder.token2wav import write_test_prompt, write_tiny_token2wav
 
 

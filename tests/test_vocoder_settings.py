@@ -3,7 +3,7 @@
 import pytest
 
 from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.vocoder.settings import Token2WavSettings, VocoderSettingsError, build_token2wav_pool
+from lychee_rtc.engine.lychee.token2wav_settings import Token2WavSettings, VocoderSettingsError, build_token2wav_pool
 from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lychee_rtc.engine.base import AudioChunk, EngineError, ResponseDone
-from lychee_rtc.vocoder.streaming import EpochFence, StreamRules, VocoderStream, synthesize_hops, to_pcm16
+from lychee_rtc.engine.lychee.token2wav_stream import EpochFence, StreamRules, VocoderStream, synthesize_hops, to_pcm16
 from lychee_rtc.vocoder.token2wav import Token2Wav, write_test_prompt, write_tiny_token2wav
 
 

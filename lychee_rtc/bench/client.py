@@ -21,7 +21,7 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from lychee_rtc.media.codec_threads import limit_codec_threads
+from lychee_rtc.rtc.codec_threads import limit_codec_threads
 from lychee_rtc.pcm import FrameResampler
 
 RATE = 48000
@@ -50,10 +50,6 @@ class MicrophoneTrack(MediaStreamTrack):
         self._queue.append(samples)
         self._queued += len(samples)
         return start
-
-    @property
-    def queued_s(self) -> float:
-        return self._queued / RATE
 
     @property
     def sent_samples(self) -> int:
@@ -208,7 +204,7 @@ class RtcClient:
         def on_track(track) -> None:
             if self.jitter_buffer != "aiortc":
                 from lychee_rtc.config import RtcSettings
-                from lychee_rtc.media.jitter import install_jitter_buffer
+                from lychee_rtc.rtc.jitter import install_jitter_buffer
 
                 install_jitter_buffer(self.pc, track, RtcSettings(jitter_buffer=self.jitter_buffer))
             self._tasks.append(asyncio.create_task(self._record(track)))

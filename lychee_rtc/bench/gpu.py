@@ -19,6 +19,11 @@ p50, for the LM step and for the total (the part of an eager window that replayi
 Decisions are biased to "keep" so that each state holds; windows where a session left the state are
 not counted.
 
+The command exits with status 1 when the report is not the one asked for: no row was measured (for
+example ``--modes graphs`` without CUDA), a row has fewer windows than ``--windows`` (a state that
+did not hold), a (C, state, mode) asked for has no row, or a C ran out of GPU memory. The report is
+written either way, and says what is missing.
+
     lychee-rtc bench gpu --out bench-gpu                          # full size, CUDA, C = 1,2,4,8,16
     lychee-rtc bench gpu --size tiny --device cpu --windows 3 --concurrency 1,2 --out bench-tiny
 """
@@ -132,7 +137,7 @@ class VocoderLoad:
         import torch
 
         from lychee_rtc.bench.token2wav_bench import random_voice
-        from lychee_rtc.vocoder.streaming import VocoderStream
+        from lychee_rtc.engine.lychee.token2wav_stream import VocoderStream
 
         self.model = model
         self.voices = [random_voice(model, prompt_tokens, seed + i) for i in range(sessions)]
@@ -145,7 +150,7 @@ class VocoderLoad:
     def window(self) -> None:
         import torch
 
-        from lychee_rtc.vocoder.streaming import synthesize_hops
+        from lychee_rtc.engine.lychee.token2wav_stream import synthesize_hops
 
         vocab = self.model.config.vocab_size
         for i, s in enumerate(self.streams):
@@ -162,7 +167,7 @@ def _drive_state(runner: "LycheeRunner", state: str, sessions: int, audio: list,
                  k0: int) -> tuple[list[float], list[float], int]:
     """Step the open sessions until ``windows`` windows were measured with every session in ``state``."""
     from lychee_rtc.engine.base import Control, ControlKind
-    from lychee_rtc.engine.lychee.runner import Mode
+    from lychee_rtc.engine.lychee.slot import Mode
 
     want = Mode.LISTENING if state == "listen" else Mode.SPEAKING
     lm: list[float] = []
@@ -292,6 +297,26 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def shortfalls(rows: Sequence[Row], concurrency: Sequence[int], modes: Sequence[str], windows: int,
+               skipped: dict[int, str]) -> list[str]:
+    """What the report lacks against what was asked: one line per missing or short row."""
+    if not rows:
+        return ["no row was measured"]
+    got = {(r.sessions, r.state, r.mode): r for r in rows}
+    out = [f"C{c} not run: {why}" for c, why in skipped.items()]
+    for c in concurrency:
+        if c in skipped:
+            continue
+        for state in STATES:
+            for mode in modes:
+                r = got.get((c, state, mode))
+                if r is None:
+                    out.append(f"C{c} {state} {mode}: no windows measured")
+                elif r.windows < windows:
+                    out.append(f"C{c} {state} {mode}: {r.windows} of {windows} windows measured")
+    return out
+
+
 def write_report(out: Path, env: dict, setup: dict, rows: Sequence[Row], skipped: dict[int, str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_gpu.json").write_text(json.dumps(
@@ -379,4 +404,8 @@ def run(args: argparse.Namespace) -> int:
     write_report(out, env, setup, rows, skipped)
     print(format_table(rows))
     print(f"results in {out / 'bench_gpu.json'} and {out / 'bench_gpu.md'}")
-    return 0
+    run_modes = [m for m in modes if m == "eager" or device.type == "cuda"]
+    missing = shortfalls(rows, conc, run_modes, args.windows, skipped)
+    for line in missing:
+        print(f"incomplete: {line}", file=sys.stderr)
+    return 1 if missing else 0

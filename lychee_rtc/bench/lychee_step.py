@@ -49,7 +49,7 @@ def bench_runner(runner: LycheeRunner, sessions: int, windows: int, warmup: int 
     import numpy as np
 
     from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
-    from lychee_rtc.engine.lychee.runner import Mode
+    from lychee_rtc.engine.lychee.slot import Mode
 
     rng = np.random.default_rng(seed)
     audio = [(0.05 * rng.standard_normal(6400)).astype(np.float32) for _ in range(8)]

@@ -5,8 +5,6 @@ Pure functions of arrays and timestamps, so the method can be tested without a n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 RATE = 48000
@@ -55,17 +53,6 @@ def find_onsets(signal: np.ndarray, probe: np.ndarray, threshold: float = 0.6) -
         else:
             i += 1
     return onsets
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    index: int
-    sent_at: float  # "mouth": when the probe's first sample was captured
-    heard_at: float | None  # "ear": when it came out of the receiver, or None if never found
-
-    @property
-    def latency_ms(self) -> float | None:
-        return None if self.heard_at is None else 1000.0 * (self.heard_at - self.sent_at)
 
 
 def send_time(sample: int, frame_send_times: dict[int, float]) -> float | None:

@@ -119,7 +119,7 @@ class SoakReport:
 
 def _vanish(client) -> None:
     """Close the peer's UDP sockets: no DTLS close, no session.close, the server hears nothing more."""
-    from lychee_rtc.media.consent import ice_connections
+    from lychee_rtc.rtc.consent import ice_connections
 
     for connection in ice_connections(client.pc):
         for protocol in connection._protocols:

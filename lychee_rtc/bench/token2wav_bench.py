@@ -107,7 +107,7 @@ def bench_vocoder(model: "Token2Wav", size: str, concurrency: int, rounds: int =
                   batched: bool = True, seed: int = 0) -> VocoderBenchResult:
     import torch
 
-    from lychee_rtc.vocoder.streaming import StreamRules, VocoderStream, synthesize_hops
+    from lychee_rtc.engine.lychee.token2wav_stream import StreamRules, VocoderStream, synthesize_hops
 
     device = model.device
     voices = [random_voice(model, prompt_tokens, seed + i) for i in range(concurrency)]

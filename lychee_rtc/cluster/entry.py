@@ -21,178 +21,53 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from lychee_rtc import __version__
-from lychee_rtc.cluster import placement
-from lychee_rtc.cluster.ids import worker_id, worker_of
-from lychee_rtc.cluster.metrics import EntryMetrics
+from lychee_rtc.cluster.fleet import Fleet, NoPlacement
+from lychee_rtc.cluster.ids import worker_of
 from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, open_websocket, relay_websocket
-from lychee_rtc.cluster.registry import Registry, WorkerView
+from lychee_rtc.cluster.registry import WorkerView
 from lychee_rtc.config import Settings
-from lychee_rtc.server import auth
+from lychee_rtc.jsonio import JsonError, strict_json_loads
+from lychee_rtc.server import auth, http
 from lychee_rtc.server.app import SETTINGS_KEY, index
-from lychee_rtc.server.http import CORS_EXPOSE, CORS_HEADERS, CORS_METHODS, WHIP_PATCH_TYPE
 from lychee_rtc.server.openai import routes as realtime
 
-log = logging.getLogger(__name__)
-
-MAX_CONNECTIONS = 256  # open connections from the entry to all workers together
-GROWTH_CHECK_S = 2.0  # how often workers: auto looks for nodes that joined
+FLEET_KEY = web.AppKey("fleet", Fleet)
 
 
-class Entry:
-    """What the entry's handlers share: settings, the worker registry, the HTTP client to workers."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.metrics = EntryMetrics()
-        cluster = settings.cluster
-        self.registry = Registry(self.metrics, cluster.poll_interval_s, cluster.status_timeout_s)
-        self.registry.restarting = placement.is_restarting
-        self.registry.on_drained = self._retire
-        self.registry.http_alive = self._http_alive
-        self.http: aiohttp.ClientSession | None = None
-        self.started_ray = False
-        self._tasks: list[asyncio.Task] = []
-
-    def timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
-        cluster = self.settings.cluster
-        return aiohttp.ClientTimeout(total=total or cluster.forward_timeout_s, sock_connect=cluster.connect_timeout_s)
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.started_ray = await loop.run_in_executor(None, placement.connect, self.settings.cluster)
-        self.http = aiohttp.ClientSession(auto_decompress=False,
-                                          connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS))
-        await self.place_workers()
-        self._tasks = [asyncio.create_task(self.registry.run(), name="cluster-monitor")]
-        if self.settings.cluster.workers == "auto":
-            self._tasks.append(asyncio.create_task(self._follow_cluster(), name="cluster-growth"))
-
-    async def place_workers(self) -> None:
-        """Place the workers the cluster has room for and that are not placed yet."""
-        loop = asyncio.get_running_loop()
-        cluster = self.settings.cluster
-        resources = await loop.run_in_executor(None, placement.cluster_resources)
-        count = placement.worker_count(cluster, resources)
-        if count == 0 and not self.registry.workers:
-            log.warning("cluster entry: no room for a worker yet (%s); waiting for nodes",
-                        placement.no_room_reason(cluster, resources))
-        new = [worker_id(i) for i in range(count) if worker_id(i) not in self.registry.workers]
-        if not new:
-            return
-        waiting = [w.worker_id for w in self.registry.workers.values() if w.state in ("starting", "down")]
-        if waiting:
-            # Room that appears while a worker is being placed or restarted is that worker's: a node
-            # that rejoins before Ray has declared its old self dead is counted twice for a while.
-            log.debug("cluster entry: room for %d more, kept for %s", len(new), ", ".join(waiting))
-            return
-        handles = await loop.run_in_executor(None, placement.spawn, self.settings, new)
-        for worker, handle in handles.items():
-            self.registry.add(worker, handle)
-        log.info("cluster entry: placed workers %s (%d in all)", ", ".join(new), len(self.registry.workers))
-
-    async def _follow_cluster(self) -> None:
-        """With workers: auto, nodes that join later get their workers too."""
-        while True:
-            await asyncio.sleep(GROWTH_CHECK_S)
-            try:
-                await self.place_workers()
-            except Exception:  # Ray briefly unreachable: the next check tries again
-                log.warning("cluster entry: cannot read the cluster's resources", exc_info=True)
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self.http is not None:
-            await self.http.close()
-        if self.started_ray:  # a Ray of our own ends with us, and its workers with it
-            await asyncio.get_running_loop().run_in_executor(None, placement.shutdown)
-
-    async def _http_alive(self, url: str) -> str | None:
-        try:
-            async with self.http.get(url + "/healthz", timeout=self.timeout(self.settings.cluster.status_timeout_s)) as r:
-                await r.read()
-                return None if r.status == 200 else f"/healthz answered {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return f"/healthz: {type(exc).__name__}: {exc}"
-
-    async def drain(self, view: WorkerView, deadline_s: float, restart: bool) -> None:
-        view.restart_after_drain = restart
-        status = await asyncio.wait_for(_await_ref(view.handle.drain.remote(deadline_s)),
-                                        self.settings.cluster.status_timeout_s * 5)
-        view.status, view.state, view.reason, view.since = status, "draining", "drain requested", time.monotonic()
-
-    async def _retire(self, view: WorkerView) -> None:
-        """A drained worker: Ray replaces its process (rolling restart) or it stops for good."""
-        restart = view.restart_after_drain and self.settings.cluster.max_restarts != 0
-        view.retired_boot = view.status["boot"] if view.status else None
-        await asyncio.get_running_loop().run_in_executor(None, placement.kill, view.handle, restart)
-        view.state = "starting" if restart else "stopped"
-        view.reason = "restarting after drain" if restart else "drained"
-        view.since = time.monotonic()
-        log.info("worker %s drained: %s", view.worker_id, view.reason)
+def _unavailable(fleet: Fleet, code: str, message: str) -> web.Response:
+    return http.unavailable(code, message, fleet.settings.session.retry_after_s)
 
 
-ENTRY_KEY = web.AppKey("entry", Entry)
+def _body_limit(settings: Settings) -> int:
+    # A realtime call's multipart body holds a session part besides the SDP; the worker bounds each.
+    return settings.server.max_sdp_bytes + realtime.MAX_SESSION_PART_BYTES + 4096
 
 
-def _error(status: int, code: str, message: str, error_type: str = "invalid_request_error",
-           headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"type": error_type, "code": code, "message": message}},
-                             status=status, headers=headers)
-
-
-def _unavailable(entry: Entry, code: str, message: str) -> web.Response:
-    retry = str(entry.settings.session.retry_after_s)
-    return _error(503, code, message, "server_error", {"Retry-After": retry})
-
-
-# --- middleware ------------------------------------------------------------------------------------
+async def _read(request: web.Request) -> bytes:
+    """The request body as the client sent it, bounded (a client that hangs up mid-body is one log line)."""
+    return await http.read_body(request, _body_limit(request.app[SETTINGS_KEY]))
 
 
 @web.middleware
-async def cors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    """Preflights are answered here; forwarded answers keep the worker's CORS headers."""
-    origins = request.app[SETTINGS_KEY].server.cors_origins
-    origin = request.headers.get("Origin")
-    allow = "*" if "*" in origins else (origin if origin in origins else None)
-    if request.method == "OPTIONS":
-        response: web.StreamResponse = web.Response(status=204)
-        if request.path.startswith("/whip"):
-            response.headers["Accept-Post"] = "application/sdp"
-            response.headers["Accept-Patch"] = WHIP_PATCH_TYPE
-        if allow is not None:
-            response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
-            response.headers["Access-Control-Allow-Headers"] = CORS_HEADERS
-            response.headers["Access-Control-Max-Age"] = "600"
-    else:
-        try:
-            response = await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400 or exc.content_type == "application/json":
-                raise
-            response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
-    if response.prepared:  # a relayed WebSocket: its handshake is long gone
-        return response
-    if allow is not None and "Access-Control-Allow-Origin" not in response.headers:
-        response.headers["Access-Control-Allow-Origin"] = allow
-        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE
-        if allow != "*":
-            response.headers["Vary"] = "Origin"
-    return response
+async def refused_bodies(request: web.Request, handler: http.Handler) -> web.StreamResponse:
+    """A body ``_read`` refused (too large) answers as it would at a single server."""
+    try:
+        return await handler(request)
+    except http.BodyError as exc:
+        return exc.response()
 
 
 def _admin(request: web.Request) -> web.Response | None:
     """The server key, where one is configured (what a single server's middleware asks of its routes)."""
     if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
-        return _error(401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return http.unauthorized()
     return None
 
 
@@ -216,101 +91,73 @@ def _is_full(response: web.Response) -> bool:
         return False
 
 
-async def _on_a_worker(entry: "Entry", attempt: Callable[[WorkerView], Awaitable[Any]],
-                       full: Callable[[Any], bool]) -> tuple[WorkerView | None, Any]:
-    """Run ``attempt`` on the least-loaded worker with room, then the next, until one answers.
-
-    A worker that cannot be reached is marked down, and one whose answer is ``full`` is marked full;
-    either way the next is tried. Returns the worker and its answer, or (None, an error response)
-    when the worker failed or no worker was left to try.
-    """
-    registry, metrics = entry.registry, entry.metrics
-    tried: set[str] = set()
-    while (view := registry.choose(tried)) is not None:
-        tried.add(view.worker_id)
-        view.pending += 1
-        try:
-            answer = await attempt(view)
-        except WorkerUnreachable as exc:
-            registry.mark_down(view, str(exc))
-            metrics.offers.labels("unreachable").inc()
-            continue
-        except WorkerFailed as exc:
-            metrics.offers.labels("failed").inc()
-            return None, _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
-        finally:
-            view.pending -= 1
-        if full(answer):
-            registry.mark_full(view)
-            metrics.offers.labels("worker_full").inc()
-            continue
-        return view, answer
-    metrics.offers.labels("cluster_full").inc()
-    if registry.count("ready") == 0:
-        return None, _unavailable(entry, "no_worker_ready", "no worker is ready to take a call; retry later")
-    return None, _unavailable(entry, "server_full", "all sessions are in use; retry later")
+def _no_placement(fleet: Fleet, refusal: NoPlacement) -> web.Response:
+    if refusal.status == 503:
+        return _unavailable(fleet, refusal.code, refusal.message)
+    return http.error_response(refusal.status, refusal.code, refusal.message)
 
 
 async def place(request: web.Request) -> web.Response:
     """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
-    entry = request.app[ENTRY_KEY]
-    body = await request.read()
+    fleet = request.app[FLEET_KEY]
+    body = await _read(request)
     if (resumed := _resumed_session(request, body)) is not None:
         # A resume re-attaches a session where it lives (its engine slot, its context): not placed.
         return await _forward_to_holder(request, body, (resumed, "session"))
 
     async def offer(view: WorkerView) -> web.Response:
         started = time.monotonic()
-        response = await forward(entry.http, view.url, request, body, entry.timeout())
-        entry.metrics.forward_seconds.labels("offer").observe(time.monotonic() - started)
+        response = await forward(fleet.http, view.url, request, body, fleet.timeout())
+        fleet.metrics.forward_seconds.labels("offer").observe(time.monotonic() - started)
         return response
 
-    view, response = await _on_a_worker(entry, offer, _is_full)
-    if view is not None:
-        if response.status < 300:
-            view.placed += 1
-            entry.metrics.offers.labels("placed").inc()
-        else:
-            entry.metrics.offers.labels("refused").inc()
-    return response
+    placed = await fleet.on_a_worker(offer, _is_full, lambda response: response.status < 300)
+    if isinstance(placed, NoPlacement):
+        return _no_placement(fleet, placed)
+    return placed.answer
 
 
 async def any_worker(request: web.Request) -> web.Response:
     """A request that takes no slot and needs no session (minting a client key): to a ready worker."""
-    entry = request.app[ENTRY_KEY]
-    body = await request.read()
+    fleet = request.app[FLEET_KEY]
+    body = await _read(request)
     tried: set[str] = set()
-    while (view := entry.registry.choose_any(tried)) is not None:
+    while (view := fleet.registry.choose_any(tried)) is not None:
         tried.add(view.worker_id)
         try:
-            return await forward(entry.http, view.url, request, body, entry.timeout())
+            return await forward(fleet.http, view.url, request, body, fleet.timeout())
         except WorkerUnreachable as exc:
-            entry.registry.mark_down(view, str(exc))
+            fleet.registry.mark_down(view, str(exc))
         except WorkerFailed as exc:
-            return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
-    return _unavailable(entry, "no_worker_ready", "no worker is ready; retry later")
+            return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
+    return _unavailable(fleet, "no_worker_ready", "no worker is ready; retry later")
 
 
 async def place_websocket(request: web.Request) -> web.StreamResponse:
     """A carrier's media stream starts a call: to the least-loaded worker, relayed both ways.
 
     Unlike WebRTC media, a carrier's audio is in the WebSocket itself, so it passes through the entry.
+    The worker admits the call only when the carrier's start frame arrives, after the handshake, and
+    sends nothing before: the call counts as in flight until the worker's first frame (then, as any
+    placement, until a fresh report) or until the relay ends.
     """
-    entry = request.app[ENTRY_KEY]
+    fleet = request.app[FLEET_KEY]
 
     async def connect(view: WorkerView) -> aiohttp.ClientWebSocketResponse | web.Response:
-        return await open_websocket(entry.http, view.url, request, entry.settings.cluster.forward_timeout_s)
+        return await open_websocket(fleet.http, view.url, request, fleet.settings.cluster.forward_timeout_s)
 
     # A worker refuses a handshake in a restated form (the body does not survive the client
     # library), so a refusal is passed on rather than read as "full".
-    view, upstream = await _on_a_worker(entry, connect, lambda _: False)
-    if isinstance(upstream, web.Response):
-        if view is not None:
-            entry.metrics.offers.labels("refused").inc()
-        return upstream
-    view.placed += 1
-    entry.metrics.offers.labels("placed").inc()
-    return await relay_websocket(request, upstream)
+    placed = await fleet.on_a_worker(connect, lambda _: False, lambda upstream: not isinstance(upstream, web.Response),
+                                     settle_later=True)
+    if isinstance(placed, NoPlacement):
+        return _no_placement(fleet, placed)
+    if isinstance(placed.answer, web.Response):
+        return placed.answer
+    try:
+        return await relay_websocket(request, placed.answer, on_first_reply=placed.placement.taken)
+    finally:
+        placed.placement.released()  # never answered: not admitted, or gone already (no-op once taken)
 
 
 # --- follow-ups ------------------------------------------------------------------------------------
@@ -329,13 +176,13 @@ def _not_found(session_id: str, what: str, detail: str = "") -> web.Response:
     message = f"no {what} {session_id!r}{detail}"
     if what == "call":  # the OpenAI surface's own error, as a single server gives it
         return realtime.error(404, "call_not_found", message, param="call_id")
-    return _error(404, "session_not_found", message)
+    return http.error_response(404, "session_not_found", message)
 
 
 def _holder(request: web.Request, target: tuple[str, str] | None = None) -> WorkerView | web.Response:
     """The worker that holds the session a follow-up names, or the 404 a single server would give."""
     session_id, what = target or _target(request)
-    view = request.app[ENTRY_KEY].registry.workers.get(worker_of(session_id) or "")
+    view = request.app[FLEET_KEY].registry.workers.get(worker_of(session_id) or "")
     if view is None:
         hint = " (through the cluster entry, name a call by its session id)" \
             if request.path.startswith("/v1/telephony/") else ""
@@ -359,25 +206,25 @@ def _resumed_session(request: web.Request, body: bytes) -> str | None:
 
 async def routed(request: web.Request) -> web.Response:
     """A request about one session: to the worker whose id the session id carries."""
-    return await _forward_to_holder(request, await request.read(), _target(request))
+    return await _forward_to_holder(request, await _read(request), _target(request))
 
 
 async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[str, str]) -> web.Response:
-    entry = request.app[ENTRY_KEY]
+    fleet = request.app[FLEET_KEY]
     session_id = target[0]
     view = _holder(request, target)
     if isinstance(view, web.Response):
         return view
     started = time.monotonic()
     try:
-        response = await forward(entry.http, view.url, request, body, entry.timeout())
+        response = await forward(fleet.http, view.url, request, body, fleet.timeout())
     except WorkerUnreachable as exc:
-        entry.registry.mark_down(view, str(exc))
-        return _unavailable(entry, "worker_unavailable",
+        fleet.registry.mark_down(view, str(exc))
+        return _unavailable(fleet, "worker_unavailable",
                             f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
     except WorkerFailed as exc:
-        return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
-    entry.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
+        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
+    fleet.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
     return response
 
 
@@ -400,17 +247,17 @@ async def sideband(request: web.Request) -> web.StreamResponse:
 async def routed_websocket(request: web.Request) -> web.StreamResponse:
     """A WebSocket about one session (a phone call's event stream, a realtime call's sideband): to
     the worker in the session id."""
-    entry = request.app[ENTRY_KEY]
+    fleet = request.app[FLEET_KEY]
     view = _holder(request)
     if isinstance(view, web.Response):
         return view
     try:
-        upstream = await open_websocket(entry.http, view.url, request, entry.settings.cluster.forward_timeout_s)
+        upstream = await open_websocket(fleet.http, view.url, request, fleet.settings.cluster.forward_timeout_s)
     except WorkerUnreachable as exc:
-        entry.registry.mark_down(view, str(exc))
-        return _unavailable(entry, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
+        fleet.registry.mark_down(view, str(exc))
+        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
     except WorkerFailed as exc:
-        return _error(502, "worker_failed", f"worker {view.worker_id}: {exc}", "server_error")
+        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
     if isinstance(upstream, web.Response):
         if upstream.status == 404:  # the session ended: say so as a single server does
             return _not_found(*_target(request))
@@ -420,9 +267,9 @@ async def routed_websocket(request: web.Request) -> web.StreamResponse:
 
 async def list_sessions(request: web.Request) -> web.Response:
     """Every worker's sessions in one list (workers that cannot be reached are left out)."""
-    entry = request.app[ENTRY_KEY]
-    views = [v for v in entry.registry.workers.values() if v.state in ("ready", "draining") and v.url]
-    results = await asyncio.gather(*(forward(entry.http, v.url, request, b"", entry.timeout())
+    fleet = request.app[FLEET_KEY]
+    views = [v for v in fleet.registry.workers.values() if v.state in ("ready", "draining") and v.url]
+    results = await asyncio.gather(*(forward(fleet.http, v.url, request, b"", fleet.timeout())
                                      for v in views), return_exceptions=True)
     sessions: list[dict[str, Any]] = []
     for result in results:
@@ -430,7 +277,7 @@ async def list_sessions(request: web.Request) -> web.Response:
             if result.status != 200:
                 return result  # the workers' answer to a missing or wrong key
             sessions.extend(json.loads(result.body)["sessions"])
-    return web.json_response({"capacity": entry.registry.capacity, "free": entry.registry.free,
+    return http.json_response({"capacity": fleet.registry.capacity, "free": fleet.registry.free,
                               "sessions": sessions})
 
 
@@ -438,42 +285,43 @@ async def list_sessions(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "version": __version__})
+    return http.json_response({"status": "ok", "version": __version__})
 
 
 async def readyz(request: web.Request) -> web.Response:
-    entry = request.app[ENTRY_KEY]
-    registry = entry.registry
+    fleet = request.app[FLEET_KEY]
+    registry = fleet.registry
     engines = sorted({v.status["engine"] for v in registry.workers.values() if v.status})
-    body = {"engine": ",".join(engines) or entry.settings.engine.name, "capacity": registry.capacity,
+    body = {"engine": ",".join(engines) or fleet.settings.engine.name, "capacity": registry.capacity,
             "free": registry.free, "active": registry.active,
             "workers": {state: n for state in ("ready", "starting", "draining", "down", "dead", "stopped")
                         if (n := registry.count(state))}}
     if registry.count("ready") == 0:
-        return web.json_response({"status": "starting", **body}, status=503)
+        return http.json_response({"status": "starting", **body}, status=503)
     if registry.free <= 0:
-        return web.json_response({"status": "full", **body}, status=503,
-                                 headers={"Retry-After": str(entry.settings.session.retry_after_s)})
-    return web.json_response({"status": "ready", **body})
+        return http.json_response({"status": "full", **body}, status=503,
+                                 headers={"Retry-After": str(fleet.settings.session.retry_after_s)})
+    return http.json_response({"status": "ready", **body})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    m = request.app[ENTRY_KEY].metrics
+    m = request.app[FLEET_KEY].metrics
     return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
 
 
 async def list_workers(request: web.Request) -> web.Response:
     if (denied := _admin(request)) is not None:
         return denied
-    entry = request.app[ENTRY_KEY]
-    return web.json_response({"workers": [v.describe() for v in entry.registry.workers.values()]})
+    fleet = request.app[FLEET_KEY]
+    return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()],
+                               "waiting": fleet.waiting})
 
 
 def _worker_or_404(request: web.Request) -> WorkerView | web.Response:
     worker = request.match_info["worker_id"]
-    view = request.app[ENTRY_KEY].registry.workers.get(worker)
+    view = request.app[FLEET_KEY].registry.workers.get(worker)
     if view is None:
-        return _error(404, "worker_not_found", f"no worker {worker!r}")
+        return http.error_response(404, "worker_not_found", f"no worker {worker!r}")
     return view
 
 
@@ -483,52 +331,51 @@ async def drain_worker(request: web.Request) -> web.Response:
     view = _worker_or_404(request)
     if isinstance(view, web.Response):
         return view
-    entry = request.app[ENTRY_KEY]
-    raw = await request.read()
+    fleet = request.app[FLEET_KEY]
+    raw = await _read(request)
     try:
-        options = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        return _error(400, "invalid_json", f"request body is not valid JSON: {exc}")
+        options = strict_json_loads(raw) if raw.strip() else {}
+    except JsonError as exc:
+        return http.error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
     if not isinstance(options, dict) or set(options) - {"deadline_s", "restart"}:
-        return _error(400, "invalid_request", "body: an object with deadline_s (seconds) and restart (boolean)")
-    deadline = options.get("deadline_s", entry.settings.cluster.drain_timeout_s)
+        return http.error_response(400, "invalid_request", "body: an object with deadline_s (seconds) and restart (boolean)")
+    deadline = options.get("deadline_s", fleet.settings.cluster.drain_timeout_s)
     restart = options.get("restart", True)
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0:
-        return _error(400, "invalid_request", "deadline_s must be a number of seconds above 0")
+        return http.error_response(400, "invalid_request", "deadline_s must be a number of seconds above 0")
     if not isinstance(restart, bool):
-        return _error(400, "invalid_request", "restart must be true or false")
+        return http.error_response(400, "invalid_request", "restart must be true or false")
     if view.state not in ("ready", "draining"):
-        return _error(409, "worker_not_ready", f"worker {view.worker_id} is {view.state}")
+        return http.error_response(409, "worker_not_ready", f"worker {view.worker_id} is {view.state}")
     try:
-        await entry.drain(view, float(deadline), restart)
+        await fleet.drain(view, float(deadline), restart)
     except Exception as exc:  # the worker died under the request: the poller will say so
-        return _unavailable(entry, "worker_unavailable", f"worker {view.worker_id}: {type(exc).__name__}: {exc}")
-    return web.json_response(view.describe(), status=202)
+        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id}: {type(exc).__name__}: {exc}")
+    return http.json_response(view.describe(), status=202)
 
 
 async def worker_metrics(request: web.Request) -> web.Response:
     view = _worker_or_404(request)
     if isinstance(view, web.Response):
         return view
-    entry = request.app[ENTRY_KEY]
+    fleet = request.app[FLEET_KEY]
     if view.url is None or view.state in ("dead", "stopped"):
-        return _unavailable(entry, "worker_unavailable", f"worker {view.worker_id} is {view.state}")
+        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} is {view.state}")
     try:
-        return await forward(entry.http, view.url, request, b"", entry.timeout(), path_qs="/metrics")
+        return await forward(fleet.http, view.url, request, b"", fleet.timeout(), path_qs="/metrics")
     except (WorkerUnreachable, WorkerFailed) as exc:
-        return _unavailable(entry, "worker_unavailable", str(exc))
+        return _unavailable(fleet, "worker_unavailable", str(exc))
 
 
 # --- application -----------------------------------------------------------------------------------
 
 
 def create_entry_app(settings: Settings) -> web.Application:
-    # A realtime call's multipart body holds a session part besides the SDP; the worker bounds each.
-    app = web.Application(middlewares=[cors], client_max_size=settings.server.max_sdp_bytes
-                          + realtime.MAX_SESSION_PART_BYTES + 4096)
-    entry = Entry(settings)
+    origins = settings.server.cors_origins  # forwarded answers keep the worker's CORS headers
+    app = web.Application(middlewares=[http.edge_middleware(lambda request: origins), refused_bodies],
+                          client_max_size=_body_limit(settings))
     app[SETTINGS_KEY] = settings
-    app[ENTRY_KEY] = entry
+    app[FLEET_KEY] = Fleet(settings)
 
     app.router.add_post("/v1/rtc/offer", place)
     app.router.add_post("/whip", place)
@@ -556,15 +403,12 @@ def create_entry_app(settings: Settings) -> web.Application:
         app.router.add_static("/static/", settings.web_root, show_index=False)
 
     async def on_startup(app: web.Application) -> None:
-        await app[ENTRY_KEY].start()
+        await app[FLEET_KEY].start()
 
     async def on_cleanup(app: web.Application) -> None:
-        await app[ENTRY_KEY].stop()
+        await app[FLEET_KEY].stop()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
 
-
-async def _await_ref(ref: Any) -> Any:
-    return await ref

@@ -39,9 +39,11 @@ def connect(cluster: ClusterSettings) -> bool:
         ray.init(address=cluster.address, **common)
         return False
     # A single machine: the local Ray holds as many worker slots as asked for ("auto": one, or the GPUs).
+    # "local": a Ray of the entry's own even where `ray start` ran on this machine before (Ray would
+    # otherwise join that one, and refuse the resources given here).
     slots = cluster.workers if isinstance(cluster.workers, int) else 1
     resources = {} if cluster.worker_gpus > 0 else {cluster.worker_resource: slots}
-    ray.init(resources=resources, include_dashboard=False,
+    ray.init(address="local", resources=resources, include_dashboard=False,
              object_store_memory=cluster.local_object_store_mb * 1024 * 1024, **common)
     return True
 
@@ -60,6 +62,53 @@ def no_room_reason(cluster: ClusterSettings, resources: dict[str, float]) -> str
         return f"{cluster.worker_gpus:g} GPU per worker, the cluster has {resources.get('GPU', 0):g} GPUs"
     return (f"no {cluster.worker_resource!r} resource in the cluster (start CPU nodes with "
             f"ray start --resources '{{\"{cluster.worker_resource}\": N}}')")
+
+
+def worker_needs(cluster: ClusterSettings) -> dict[str, float]:
+    """The resources one worker takes on its node."""
+    needs = {"GPU": cluster.worker_gpus} if cluster.worker_gpus > 0 else {cluster.worker_resource: 1.0}
+    if cluster.worker_cpus > 0:
+        needs["CPU"] = cluster.worker_cpus
+    return needs
+
+
+def waiting_reason(cluster: ClusterSettings, nodes: list[dict[str, float]], available: dict[str, float]) -> str | None:
+    """Why a worker waits for a node, given each live node's total resources and what the cluster
+    has free; None when there is room and Ray is about to place it."""
+    needs = worker_needs(cluster)
+    if any(all(node.get(name, 0) >= amount for name, amount in needs.items()) for node in nodes):
+        if all(available.get(name, 0) >= amount for name, amount in needs.items()):
+            return None
+        taken = "GPUs" if cluster.worker_gpus > 0 else f"{cluster.worker_resource!r} units"
+        return (f"waiting for room: every node that fits a worker has its {taken} taken by other workers "
+                f"(add nodes, or lower cluster.workers)")
+    if cluster.worker_gpus > 0:
+        if not any(node.get("GPU", 0) >= cluster.worker_gpus for node in nodes):
+            return f"no node has {cluster.worker_gpus:g} GPU for a worker (cluster.worker_gpus)"
+    elif not any(node.get(cluster.worker_resource, 0) >= 1 for node in nodes):
+        return (f"no node offers the resource {cluster.worker_resource!r}; start Ray on every CPU node with "
+                f"ray start ... --resources '{{\"{cluster.worker_resource}\": N}}' (N: workers on that node)")
+    return (f"no node has {needs.get('CPU', 0):g} CPUs besides a worker slot (cluster.worker_cpus; "
+            f"0 lets workers share the node's CPUs)")
+
+
+def unplaced_reason(cluster: ClusterSettings, handle: Any) -> str | None:
+    """Why Ray has found no node for a worker's actor yet; None once it has one (or if Ray cannot say)."""
+    ray = import_ray()
+    try:
+        # The actor table of Ray's control store: the public state API (ray.util.state) needs the
+        # dashboard, which clusters here run without.
+        from ray._private import state
+
+        info = state.actors(actor_id=handle._actor_id.hex())
+    except Exception:
+        return None
+    if info.get("State") not in ("DEPENDENCIES_UNREADY", "PENDING_CREATION") or info.get("Pid"):
+        return None
+    if (info.get("Address") or {}).get("IPAddress"):
+        return None  # on a node, its constructor running (an engine loading its checkpoint)
+    nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+    return waiting_reason(cluster, nodes, dict(ray.available_resources()))
 
 
 def actor_options(cluster: ClusterSettings, worker: str) -> dict[str, Any]:
@@ -93,13 +142,6 @@ def spawn(settings: Settings, workers: list[str]) -> dict[str, Any]:
     profile = worker_settings(settings)
     return {worker: actor_class.options(**actor_options(settings.cluster, worker)).remote(worker, profile)
             for worker in workers}
-
-
-def respawn(settings: Settings, worker: str) -> Any:
-    """A fresh actor for ``worker`` (after the previous one was killed without restart)."""
-    ray = import_ray()
-    return ray.remote(WorkerServer).options(**actor_options(settings.cluster, worker)).remote(
-        worker, worker_settings(settings))
 
 
 def is_restarting(exc: BaseException) -> bool:

@@ -9,10 +9,13 @@ another worker; once the request was sent, a failure is the client's 502.
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+
+from lychee_rtc.server.http import error_response
 
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
@@ -72,9 +75,12 @@ WS_HANDSHAKE = frozenset(h.lower() for h in (
 MAX_WS_MESSAGE_BYTES = 1024 * 1024
 
 
-async def _pump(source, sink) -> None:
+async def _pump(source, sink, on_first: Callable[[], None] | None = None) -> None:
     """Frames from ``source`` to ``sink`` until ``source`` closes; then ``sink`` closes with its code."""
     async for message in source:
+        if on_first is not None and message.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+            on_first()
+            on_first = None
         if message.type == aiohttp.WSMsgType.TEXT:
             await sink.send_str(message.data)
         elif message.type == aiohttp.WSMsgType.BINARY:
@@ -118,17 +124,19 @@ def refused_handshake(exc: aiohttp.WSServerHandshakeError) -> web.Response:
     headers = {k: exc.headers[k] for k in _PASSED_HEADERS if exc.headers and k in exc.headers}
     code = _REFUSAL_CODES.get(status, "refused")
     message = f"the worker refused the WebSocket: {exc.status} {exc.message or ''}".rstrip()
-    return web.json_response({"error": {"type": "invalid_request_error" if status < 500 else "server_error",
-                                        "code": code, "message": message}}, status=status, headers=headers)
+    return error_response(status, code, message, headers=headers)
 
 
-async def relay_websocket(request: web.Request, upstream: aiohttp.ClientWebSocketResponse) -> web.WebSocketResponse:
-    """Frames both ways between the client and the worker until one side closes (its code passes on)."""
+async def relay_websocket(request: web.Request, upstream: aiohttp.ClientWebSocketResponse,
+                          on_first_reply: Callable[[], None] | None = None) -> web.WebSocketResponse:
+    """Frames both ways between the client and the worker until one side closes (its code passes on);
+    ``on_first_reply`` is called when the worker's first frame arrives."""
     downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
                                        max_msg_size=MAX_WS_MESSAGE_BYTES, autoping=True)
     try:
         await downstream.prepare(request)
-        pumps = {asyncio.ensure_future(_pump(downstream, upstream)), asyncio.ensure_future(_pump(upstream, downstream))}
+        pumps = {asyncio.ensure_future(_pump(downstream, upstream)),
+                 asyncio.ensure_future(_pump(upstream, downstream, on_first_reply))}
         _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         if pending:  # the other direction gets the close passed on, then ends
             _, pending = await asyncio.wait(pending, timeout=10.0)

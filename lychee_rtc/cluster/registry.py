@@ -4,8 +4,9 @@ Every ``poll_interval_s`` the entry asks each worker for its status through Ray.
 not answer within ``status_timeout_s`` (its process died and Ray is restarting it, or its node is
 gone) is ``down`` and takes no calls; a forward that cannot connect marks it down at once. When it
 answers again with a new boot id, the sessions of its previous process are known to be gone and it
-takes calls again. Between polls the entry counts the offers it placed, so a burst of offers does
-not all go to the worker that looked emptiest at the last poll.
+takes calls again. The entry also counts the offers it placed that a worker's reports may not
+include yet (accounting.py), so a burst of offers does not all go to the worker that looked
+emptiest at the last poll.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from lychee_rtc.cluster.accounting import Placements, now
 from lychee_rtc.cluster.metrics import EntryMetrics
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 # down: no answer (restarting or lost); dead: Ray gave up on it; stopped: drained and not restarted.
 STATES = ("starting", "ready", "draining", "down", "dead", "stopped")
 DEAD_AFTER_ERRORS = 3
+NOT_PLACED = "not placed: "  # the reason of a starting worker that Ray has found no node for
 
 
 @dataclass
@@ -32,14 +35,14 @@ class WorkerView:
     handle: Any
     state: str = "starting"
     status: dict[str, Any] | None = None
-    placed: int = 0  # offers answered since the last status arrived
-    pending: int = 0  # offers being forwarded to it right now
+    placements: Placements = field(default_factory=Placements)  # what its reports may not count yet
     restarts: int = 0  # new boots seen after the first
     lost_sessions: int = 0  # sessions that ended with a process that died
     reason: str = ""
     since: float = field(default_factory=time.monotonic)
     restart_after_drain: bool = True
     probe: Any = None  # the status request in flight (one at a time, never piled up)
+    probe_requested_at: int = 0  # when it was requested (accounting.now)
     errors: int = 0  # status requests in a row that failed at once
     retired_boot: str | None = None  # the process a drain ended (its late answers are ignored)
 
@@ -53,9 +56,9 @@ class WorkerView:
 
     @property
     def free(self) -> int:
-        if self.state != "ready" or self.status is None:
+        if self.state != "ready" or self.status is None or self.placements.full:
             return 0
-        return max(self.status["free"] - self.placed - self.pending, 0)
+        return max(self.status["free"] - self.placements.count, 0)
 
     @property
     def active(self) -> int:
@@ -79,7 +82,6 @@ class Registry:
         self.poll_interval_s = poll_interval_s
         self.status_timeout_s = status_timeout_s
         self.workers: dict[str, WorkerView] = {}
-        self.changed = asyncio.Condition()  # notified after every poll round (tests and drains wait on it)
         # Called with a worker whose drain finished: the entry kills (and maybe restarts) its actor.
         self.on_drained: Callable[[WorkerView], Awaitable[None]] | None = None
         # Given a worker's URL, None when its HTTP port answers, else why not.
@@ -87,6 +89,9 @@ class Registry:
         # Whether a failed status request says the actor is being restarted (Ray fails calls to a
         # restarting actor at once); such a worker is down, however long the restart takes.
         self.restarting: Callable[[BaseException], bool] = lambda exc: False
+        # Given a worker that has not answered since it was placed, why Ray has found it no node
+        # (None: it has one, and is loading).
+        self.unplaced: Callable[[WorkerView], Awaitable[str | None]] | None = None
 
     def add(self, worker_id: str, handle: Any) -> WorkerView:
         view = self.workers[worker_id] = WorkerView(worker_id, handle)
@@ -134,8 +139,9 @@ class Registry:
             self._publish()
 
     def mark_full(self, view: WorkerView) -> None:
-        if view.status is not None:  # until the next poll says otherwise
-            view.placed = max(view.placed, view.status["free"])
+        """The worker answered "full": no offers to it until a report requested after this says otherwise."""
+        view.placements.mark_full()
+        self._publish()
 
     # --- polling -----------------------------------------------------------------------------------
 
@@ -143,8 +149,6 @@ class Registry:
         while True:
             await asyncio.gather(*(self._poll(view) for view in list(self.workers.values())))
             self._publish()
-            async with self.changed:
-                self.changed.notify_all()
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll(self, view: WorkerView) -> None:
@@ -158,11 +162,16 @@ class Registry:
             if http_failure is not None:
                 self.mark_down(view, http_failure)
         if view.probe is None:
-            view.probe = asyncio.ensure_future(_await_ref(view.handle.status.remote()))
+            # Noted before the request leaves: every call answered until now is in its report.
+            view.probe_requested_at = now()
+            view.probe = asyncio.ensure_future(view.handle.status.remote())
         done, _ = await asyncio.wait({view.probe}, timeout=self.status_timeout_s)
         if not done:
-            # One that has not answered since it was (re)started is still starting (loading a model).
-            if view.state != "starting":
+            # One that has not answered since it was (re)started is still starting: loading a
+            # model, or waiting for Ray to find it a node (which may never come: say why).
+            if view.state == "starting":
+                await self._explain_start(view)
+            else:
                 self.mark_down(view, f"no status within {self.status_timeout_s:g} s")
             return
         probe, view.probe = view.probe, None
@@ -177,6 +186,23 @@ class Registry:
         self._update(view, status, serving=http_failure is None)
         if status["drained"] and view.state == "draining" and self.on_drained is not None:
             await self.on_drained(view)
+
+    async def _explain_start(self, view: WorkerView) -> None:
+        if self.unplaced is None:
+            return
+        try:
+            why = await self.unplaced(view)
+        except Exception:  # Ray's actor table briefly unreachable: the next poll asks again
+            log.debug("worker %s: cannot read its placement", view.worker_id, exc_info=True)
+            return
+        if why is not None:
+            reason = NOT_PLACED + why
+            if reason != view.reason:
+                log.warning("worker %s is not placed: %s", view.worker_id, why)
+                view.reason = reason
+        elif view.reason.startswith(NOT_PLACED):
+            log.info("worker %s is placed on a node; starting", view.worker_id)
+            view.reason = ""
 
     def _failed(self, view: WorkerView, exc: Exception) -> None:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -208,7 +234,7 @@ class Registry:
             log.warning("worker %s restarted (pid %s -> %s): %d sessions of its previous process ended",
                         view.worker_id, previous["pid"], status["pid"], previous["active"])
         view.status = status
-        view.placed = 0
+        view.placements.reported(view.probe_requested_at)
         if not serving and previous is not None and previous["boot"] == status["boot"]:
             return  # the same process, alive for Ray, but its HTTP port fails: it stays down
         if status["draining"]:
@@ -233,11 +259,3 @@ class Registry:
             m.worker_up.labels(view.worker_id).set(1 if view.state == "ready" else 0)
             m.worker_free.labels(view.worker_id).set(view.free)
             m.worker_active.labels(view.worker_id).set(view.active)
-
-    async def wait_changed(self) -> None:
-        async with self.changed:
-            await self.changed.wait()
-
-
-async def _await_ref(ref: Any) -> Any:
-    return await ref

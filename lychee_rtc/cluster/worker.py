@@ -22,7 +22,7 @@ from aiohttp import web
 
 from lychee_rtc.cluster.ids import session_prefix
 from lychee_rtc.config import Settings
-from lychee_rtc.server.app import ENGINE_KEY, MANAGER_KEY, create_app
+from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY, create_app
 from lychee_rtc.server.serve import bind_socket, start_site, url_host
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class WorkerServer:
 
     async def _start(self, settings: Settings) -> str:
         app = create_app(settings)
-        app[MANAGER_KEY].id_prefix = session_prefix(self.worker_id)
+        app[REGISTRY_KEY].id_prefix = session_prefix(self.worker_id)
         self.app = app
         sock = _listen(self.host, settings.cluster.worker_ports)
         self._runner = await start_site(app, sock)
@@ -105,12 +105,12 @@ class WorkerServer:
         return self._call(self._status()).to_dict()
 
     async def _status(self) -> WorkerStatus:
-        manager = self.app[MANAGER_KEY]
+        registry = self.app[REGISTRY_KEY]
         engine = self.app[ENGINE_KEY]
         return WorkerStatus(
             worker_id=self.worker_id, boot=self.boot, url=self.url, node_ip=self.node_ip, pid=os.getpid(),
-            engine=engine.capabilities.name, capacity=manager.capacity, free=max(manager.free, 0),
-            active=len(manager.calls), ready=engine.running and not manager.closing, draining=self.draining,
+            engine=engine.capabilities.name, capacity=registry.capacity, free=max(registry.free, 0),
+            active=len(registry.calls), ready=engine.running and not registry.closing, draining=self.draining,
             drained=self.drained)
 
     def drain(self, deadline_s: float) -> dict[str, Any]:
@@ -120,18 +120,18 @@ class WorkerServer:
     async def _begin_drain(self, deadline_s: float) -> WorkerStatus:
         if self._drain_task is None:
             self.draining = True
-            self.app[MANAGER_KEY].closing = True  # the manager refuses offers from now on
+            self.app[REGISTRY_KEY].closing = True  # the registry refuses offers from now on
             self._drain_task = asyncio.create_task(self._drain(deadline_s), name=f"drain-{self.worker_id}")
         return await self._status()
 
     async def _drain(self, deadline_s: float) -> None:
-        manager = self.app[MANAGER_KEY]
+        registry = self.app[REGISTRY_KEY]
         deadline = self.loop.time() + deadline_s
-        while manager.calls and self.loop.time() < deadline:
+        while registry.calls and self.loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if manager.calls:
-            log.info("worker %s: drain deadline passed; closing %d calls", self.worker_id, len(manager.calls))
-        await manager.close_all(DRAIN_REASON)
+        if registry.calls:
+            log.info("worker %s: drain deadline passed; closing %d calls", self.worker_id, len(registry.calls))
+        await registry.close_all(DRAIN_REASON)
         self.drained = True
 
 

@@ -1,4 +1,4 @@
-"""The engine interface (ARCHITECTURE section 5).
+"""The engine interface (docs/architecture.md, "Where a 400 ms window goes" step 3, and "Epochs").
 
 An engine is transport-agnostic. The session pushes fixed-size input windows and control commands
 into its slot; the engine answers with a stream of typed events. Heavy compute happens inside

@@ -2,7 +2,7 @@
 
 The connector is a client of the server, not a server of its own: it registers the configured SIP
 identity through Janus, and each incoming call becomes a normal session, created through the same
-session manager (and capacity) as an HTTP offer, with Janus's WebRTC offer. Janus relays the
+call registry (and capacity) as an HTTP offer, with Janus's WebRTC offer. Janus relays the
 caller's G.711 RTP to that session's WebRTC leg without transcoding.
 
 Janus's SIP plugin takes one call per plugin handle, so the connector keeps a master handle (the
@@ -21,9 +21,11 @@ from typing import Any
 
 from lychee_rtc.config import JanusGatewaySettings
 from lychee_rtc.engine.base import DTMF_DIGITS
+from lychee_rtc.calls.call import ServerFull
+from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.gateway.janus_api import JanusApi, JanusError
-from lychee_rtc.media.sdp import SdpError
-from lychee_rtc.server.sessions import ServerFull, SessionManager
+from lychee_rtc.rtc.negotiator import RtcNegotiator
+from lychee_rtc.rtc.sdp import SdpError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,8 @@ class GatewayCounters:
 @dataclass
 class JanusSipGateway:
     settings: JanusGatewaySettings
-    manager: SessionManager
+    registry: CallRegistry
+    rtc: RtcNegotiator
     counters: GatewayCounters = field(default_factory=GatewayCounters)
     registered: bool = False
     _api: JanusApi | None = None
@@ -102,7 +105,7 @@ class JanusSipGateway:
         self._stopping = True
         for line in list(self._lines.values()):
             if line.session_id is not None:
-                await self.manager.close(line.session_id, "server_shutdown")  # hangs the call up
+                await self.registry.close(line.session_id, "server_shutdown")  # hangs the call up
         if self._task is not None:
             self._task.cancel()
             try:
@@ -114,7 +117,7 @@ class JanusSipGateway:
 
     @property
     def lines(self) -> int:
-        return self.settings.lines or self.manager.capacity + 1
+        return self.settings.lines or self.registry.capacity + 1
 
     def status(self) -> dict[str, Any]:
         busy = sum(1 for line in self._lines.values() if line.session_id or line.answering)
@@ -152,7 +155,7 @@ class JanusSipGateway:
         for line in lines.values():
             if line.session_id is not None:
                 line.caller_hung_up = True  # nobody left to send a hangup to
-                await self.manager.close(line.session_id, reason)
+                await self.registry.close(line.session_id, reason)
         await api.close()
 
     async def _set_up_lines(self, api: JanusApi) -> None:
@@ -249,7 +252,7 @@ class JanusSipGateway:
             self._caller_gone(line, "caller_hangup")
         elif event == "info":
             digit = dtmf_from_info(str(result.get("type", "")), str(result.get("content", "")))
-            call = self.manager.calls.get(line.session_id or "")
+            call = self.registry.calls.get(line.session_id or "")
             if digit is not None and call is not None:
                 self.counters.dtmf_info += 1
                 call.session.push_dtmf(digit, "sip_info")
@@ -266,12 +269,12 @@ class JanusSipGateway:
             return
         if line.caller_hung_up:  # Janus reports the SIP hangup and then the WebRTC leg going down
             return
-        call = self.manager.calls.get(line.session_id)
+        call = self.registry.calls.get(line.session_id)
         if call is None or call.session.closed:
             return  # the server is ending this session (its leg going down is ours): it hangs up itself
         line.caller_hung_up = True
         self.counters.caller_hangups += 1
-        self._spawn(self.manager.close(line.session_id, reason))
+        self._spawn(self.registry.close(line.session_id, reason))
 
     # --- calls -------------------------------------------------------------------------------------
 
@@ -297,7 +300,7 @@ class JanusSipGateway:
                 await self._decline(api, line, NOT_ACCEPTABLE)
                 return
             try:
-                call = await self.manager.create(jsep["sdp"], origin=origin)
+                call = await self.rtc.create(jsep["sdp"], origin=origin)
             except ServerFull:
                 self.counters.busy += 1
                 log.info("SIP gateway: call %s from %s refused: no free session", line.sip_call_id, origin["caller"])
@@ -311,7 +314,7 @@ class JanusSipGateway:
             line.session_id = call.session.id
             call.on_closed.append(lambda reason, line=line, sid=call.session.id: self._session_ended(line, sid, reason))
             if line.caller_hung_up:  # the caller gave up while the session was being created
-                await self.manager.close(call.session.id, "caller_hangup")
+                await self.registry.close(call.session.id, "caller_hangup")
                 return
             await api.message(line.handle_id, {"request": "accept"},
                               {"type": "answer", "sdp": call.pc.localDescription.sdp, "trickle": False})
@@ -322,7 +325,7 @@ class JanusSipGateway:
             log.warning("SIP gateway: call %s: %s", line.sip_call_id, exc)
             if line.session_id is not None:
                 line.caller_hung_up = True
-                await self.manager.close(line.session_id, "gateway_error")
+                await self.registry.close(line.session_id, "gateway_error")
         finally:
             line.answering = False
 

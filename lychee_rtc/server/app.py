@@ -11,20 +11,24 @@ from typing import Any
 from aiohttp import web
 
 from lychee_rtc import __version__
+from lychee_rtc.calls.call import Call, ServerFull
+from lychee_rtc.calls.metrics import CallMetrics
+from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.jsonio import JsonError, strict_json_loads
-from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.rtc.call import RtcCall
+from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
+from lychee_rtc.rtc.sdp import SdpError
+from lychee_rtc.rtc.trickle import add_remote_candidates
 from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
-from lychee_rtc.server.metrics import ServerMetrics
 from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
 from lychee_rtc.server.openai.session_config import RealtimeProfile
-from lychee_rtc.server.sessions import Call, ResumeRefused, RtcCall, ServerFull, SessionManager
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
 from lychee_rtc.session.dialect import DialectMap
 from lychee_rtc.session.native import EVENTS_LABEL, NativeDialect
@@ -33,9 +37,10 @@ from lychee_rtc.session.protocol import validator
 log = logging.getLogger(__name__)
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
-MANAGER_KEY = web.AppKey("manager", SessionManager)
+REGISTRY_KEY = web.AppKey("registry", CallRegistry)
+RTC_KEY = web.AppKey("rtc", RtcNegotiator)
 ENGINE_KEY = web.AppKey("engine", Engine)
-METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+METRICS_KEY = web.AppKey("metrics", CallMetrics)
 GATEWAY_KEY = web.AppKey("gateway", object)  # the SIP gateway connector, when configured
 
 # --- middleware ------------------------------------------------------------------------------------
@@ -90,7 +95,6 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 
 @auth.policy(Policy.SESSION)  # a new session needs the server key, a resume the session's token
 async def offer(request: web.Request) -> web.Response:
-    manager = request.app[MANAGER_KEY]
     try:
         text = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
     except http.BodyError as exc:
@@ -124,7 +128,7 @@ async def offer(request: web.Request) -> web.Response:
         choice = f"one of {list(voices)}" if voices else "not selectable with this engine"
         return http.error_response(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
     try:
-        call = await manager.create(body["sdp"], options, metrics=metrics)
+        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics)
     except ServerFull as exc:
         return http.server_full(exc)
     except SdpError as exc:
@@ -134,7 +138,7 @@ async def offer(request: web.Request) -> web.Response:
 
 
 async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
-    """Re-attach an existing session to this offer's new peer connection (see SessionManager.resume)."""
+    """Re-attach an existing session to this offer's new peer connection (see RtcNegotiator.resume)."""
     resume = body["resume"]
     errors = list(validator("resume").iter_errors(resume))
     if errors:
@@ -143,8 +147,8 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
     if "session" in body:
         return http.error_response(400, "invalid_request", "a resumed session keeps its options: send no 'session' object")
     try:
-        call = await request.app[MANAGER_KEY].resume(resume["session_id"], resume["session_token"], body["sdp"],
-                                                     resume.get("last_seq", 0))
+        call = await request.app[RTC_KEY].resume(resume["session_id"], resume["session_token"], body["sdp"],
+                                                 resume.get("last_seq", 0))
     except ResumeRefused as exc:
         if exc.status == 401:
             return http.unauthorized(exc.message)
@@ -158,10 +162,9 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
 async def whip_post(request: web.Request) -> web.Response:
     if request.content_type != "application/sdp":
         return http.error_response(415, "unsupported_media_type", "WHIP offers must be sent as application/sdp")
-    manager = request.app[MANAGER_KEY]
     try:
         sdp = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes, "the SDP offer")
-        call = await manager.create(sdp, whip=True)
+        call = await request.app[RTC_KEY].create(sdp, whip=True)
     except http.BodyError as exc:
         return exc.response()
     except ServerFull as exc:
@@ -180,7 +183,7 @@ async def whip_post(request: web.Request) -> web.Response:
 def _session_call(request: web.Request) -> Call | web.Response:
     """The session named in the path, if the request holds its token (or the server key)."""
     session_id = request.match_info["session_id"]
-    call = request.app[MANAGER_KEY].calls.get(session_id)
+    call = request.app[REGISTRY_KEY].calls.get(session_id)
     if call is None:
         return http.error_response(404, "session_not_found", f"no session {session_id!r}")
     if not auth.may_use_session(request, call.token, request.app[SETTINGS_KEY].server.auth_token):
@@ -190,7 +193,7 @@ def _session_call(request: web.Request) -> Call | web.Response:
 
 def _whip_call(request: web.Request) -> RtcCall | web.Response:
     """The WHIP resource URL is the session's capability: holding it is the authorisation."""
-    call = request.app[MANAGER_KEY].whip_call(request.match_info["resource_id"])
+    call = request.app[RTC_KEY].whip_call(request.match_info["resource_id"])
     if call is None:
         return http.error_response(404, "session_not_found", "no such WHIP resource")
     return call
@@ -209,7 +212,7 @@ async def whip_patch(request: web.Request) -> web.Response:
         return http.error_response(412, "etag_mismatch", "If-Match does not match the session's ICE entity tag")
     try:
         fragment = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes, "the SDP fragment")
-        await request.app[MANAGER_KEY].add_remote_candidates(call, fragment)
+        await add_remote_candidates(call.pc, fragment)
     except http.BodyError as exc:
         return exc.response()
     except SdpError as exc:
@@ -222,7 +225,7 @@ async def whip_delete(request: web.Request) -> web.Response:
     call = _whip_call(request)
     if isinstance(call, web.Response):
         return call
-    await request.app[MANAGER_KEY].close(call.session.id, "deleted")
+    await request.app[REGISTRY_KEY].close(call.session.id, "deleted")
     return web.Response(status=200)
 
 
@@ -231,16 +234,16 @@ async def delete_session(request: web.Request) -> web.Response:
     call = _session_call(request)
     if isinstance(call, web.Response):
         return call
-    await request.app[MANAGER_KEY].close(call.session.id, "deleted")
+    await request.app[REGISTRY_KEY].close(call.session.id, "deleted")
     return web.Response(status=200)
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    manager = request.app[MANAGER_KEY]
+    registry = request.app[REGISTRY_KEY]
     return http.json_response({
-        "capacity": manager.capacity,
-        "free": manager.free,
-        "sessions": [call.snapshot() for call in manager.calls.values()],
+        "capacity": registry.capacity,
+        "free": registry.free,
+        "sessions": [call.snapshot() for call in registry.calls.values()],
     })
 
 
@@ -257,12 +260,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    manager = request.app[MANAGER_KEY]
+    registry = request.app[REGISTRY_KEY]
     engine = request.app[ENGINE_KEY]
-    body = {"engine": engine.capabilities.name, "capacity": manager.capacity, "free": manager.free}
+    body = {"engine": engine.capabilities.name, "capacity": registry.capacity, "free": registry.free}
     if not engine.running:
         return http.json_response({"status": "starting", **body}, status=503)
-    if manager.free <= 0:
+    if registry.free <= 0:
         return http.json_response({"status": "full", **body}, status=503,
                                  headers={"Retry-After": str(request.app[SETTINGS_KEY].session.retry_after_s)})
     return http.json_response({"status": "ready", **body})
@@ -285,17 +288,19 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 def create_app(settings: Settings, engine: Engine | None = None) -> web.Application:
     install_http_log_filter()
-    app = web.Application(middlewares=[http.edge_middleware(lambda r: r.app[SETTINGS_KEY].server.cors_origins, _server_key_guard), page_headers], client_max_size=settings.server.max_sdp_bytes)
+    edge = http.edge_middleware(lambda request: request.app[SETTINGS_KEY].server.cors_origins, _server_key_guard)
+    app = web.Application(middlewares=[edge, page_headers], client_max_size=settings.server.max_sdp_bytes)
     if engine is None:
         engine = Engine(build_backend(settings), settings.session.max_pending_windows)
-    server_metrics = ServerMetrics()
+    call_metrics = CallMetrics()
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
-    app[METRICS_KEY] = server_metrics
+    app[METRICS_KEY] = call_metrics
+    registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics)
     profile = RealtimeProfile.build(settings, engine.capabilities)
     # What a WebRTC data channel speaks, by its label: the transport is handed this, not the dialects.
     dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
-    app[MANAGER_KEY] = SessionManager(settings, engine, server_metrics, dialects)
+    rtc = app[RTC_KEY] = RtcNegotiator(settings, registry, dialects)
 
     app.router.add_post("/v1/rtc/offer", offer)
     app.router.add_get("/v1/sessions", list_sessions)
@@ -304,9 +309,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_post("/whip", whip_post)
     app.router.add_patch("/whip/{resource_id}", whip_patch)
     app.router.add_delete("/whip/{resource_id}", whip_delete)
-    realtime.install(app, settings, app[MANAGER_KEY], profile)
+    realtime.install(app, settings, registry, rtc, profile)
     if settings.telephony.enabled:
-        add_telephony_routes(app, settings, app[MANAGER_KEY])
+        add_telephony_routes(app, settings, registry)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if settings.metrics.enabled:
@@ -318,7 +323,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     if settings.gateway.janus.enabled:
         from lychee_rtc.gateway.janus_sip import JanusSipGateway
 
-        app[GATEWAY_KEY] = JanusSipGateway(settings.gateway.janus, app[MANAGER_KEY])
+        app[GATEWAY_KEY] = JanusSipGateway(settings.gateway.janus, registry, rtc)
 
     async def on_startup(app: web.Application) -> None:
         await app[ENGINE_KEY].start()
@@ -328,7 +333,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     async def on_shutdown(app: web.Application) -> None:
         if GATEWAY_KEY in app:
             await app[GATEWAY_KEY].stop()
-        await app[MANAGER_KEY].close_all("server_shutdown")
+        await app[REGISTRY_KEY].close_all("server_shutdown")
         await app[ENGINE_KEY].stop()
 
     app.on_startup.append(on_startup)

@@ -8,21 +8,18 @@
   is configured, and it opens nothing else. Calls that no client was given a token for (carrier
   streams, SIP gateway calls) are opened by the server key, like the admin views.
 
-Secrets are compared in constant time. A route's policy is declared on its handler with one of the
+Secrets are made and compared (in constant time) by ``calls.tokens``. A route's policy is declared on its handler with one of the
 decorators below; an undecorated ``/v1/`` or ``/whip`` route needs the server key.
 """
 
 from __future__ import annotations
 
-import hmac
-import secrets
 from enum import Enum
 from typing import Awaitable, Callable, TypeVar
 
 from aiohttp import web
 
-SESSION_TOKEN_PREFIX = "stok_"
-WHIP_RESOURCE_PREFIX = "whip_"
+from lychee_rtc.calls.tokens import secret_matches
 
 
 class Policy(str, Enum):
@@ -48,22 +45,6 @@ def policy_of(request: web.Request) -> Policy:
     if declared is not None:
         return declared
     return Policy.SERVER_KEY if request.path.startswith(("/v1/", "/whip")) else Policy.OPEN
-
-
-def new_session_token() -> str:
-    return SESSION_TOKEN_PREFIX + secrets.token_urlsafe(32)
-
-
-def new_whip_resource(prefix: str = "") -> str:
-    """``prefix``: the worker id part a cluster entry routes by (``w3-``), as in session ids."""
-    return WHIP_RESOURCE_PREFIX + prefix + secrets.token_urlsafe(24)
-
-
-def secret_matches(presented: str | None, expected: str | None) -> bool:
-    """Constant-time comparison; a missing secret never matches."""
-    if not presented or not expected:
-        return False
-    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
 
 
 def bearer(request: web.Request) -> str | None:

@@ -14,9 +14,9 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 
+from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.jsonio import strict_json_dumps
-from lychee_rtc.media.sdp import SdpError
-from lychee_rtc.server.sessions import ServerFull
+from lychee_rtc.rtc.sdp import SdpError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from aiohttp.web_log import AccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-from lychee_rtc.server.auth import WHIP_RESOURCE_PREFIX
+from lychee_rtc.calls.tokens import WHIP_RESOURCE_PREFIX
 
 SUMMARY_PERIOD_S = 60.0
 

@@ -18,12 +18,13 @@ import logging
 
 from aiohttp import WSMsgType, web
 
+from lychee_rtc.calls.call import ServerFull
+from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.event_socket import EventSocket
-from lychee_rtc.server.sessions import ServerFull, SessionManager
 from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
@@ -58,9 +59,9 @@ def _request_urls(request: web.Request, settings: Settings) -> list[str]:
 
 
 class TelephonyEndpoint:
-    def __init__(self, settings: Settings, manager: SessionManager) -> None:
+    def __init__(self, settings: Settings, registry: CallRegistry) -> None:
         self.settings = settings
-        self.manager = manager
+        self.registry = registry
 
     # --- the carrier's socket --------------------------------------------------------------------
 
@@ -146,20 +147,20 @@ class TelephonyEndpoint:
         raise FrameError(f"no start frame within the first {MAX_HANDSHAKE_FRAMES} frames", CLOSE_PROTOCOL_ERROR)
 
     async def _admit(self, dialect: Dialect, started: StreamStarted) -> CarrierCall:
-        caps = self.manager.engine.capabilities
+        caps = self.registry.engine.capabilities
         options = SessionOptions()
-        async with self.manager.admission(options) as slot:
-            call = CarrierCall.create(lambda sink: self.manager.new_session(slot, sink, options), dialect, started,
+        async with self.registry.admission(options) as slot:
+            call = CarrierCall.create(lambda sink: self.registry.new_session(slot, sink, options), dialect, started,
                                       self.settings.telephony, caps.output_rate, self.settings.session.playout_max_s,
                                       live=caps.live_passthrough)
-            self.manager.register(call)
+            self.registry.register(call)
             return call
 
     # --- the application's event stream ----------------------------------------------------------
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         key = request.match_info["call"]
-        call = next((c for c in self.manager.calls.values()
+        call = next((c for c in self.registry.calls.values()
                      if isinstance(c, CarrierCall) and c.matches(key)), None)
         if call is None:
             return http.error_response(404, "call_not_found", f"no phone call {key!r}")
@@ -177,8 +178,8 @@ class TelephonyEndpoint:
         return ws
 
 
-def add_routes(app: web.Application, settings: Settings, manager: SessionManager) -> None:
-    endpoint = TelephonyEndpoint(settings, manager)
+def add_routes(app: web.Application, settings: Settings, registry: CallRegistry) -> None:
+    endpoint = TelephonyEndpoint(settings, registry)
     app.router.add_get(MEDIA_PATH, endpoint.media)
     app.router.add_get(MEDIA_PATH + "/{provider}", endpoint.media)
     app.router.add_get(EVENTS_PATH, endpoint.events)

@@ -3,7 +3,7 @@
 The call translates carrier events into the session's inputs (audio, digits, hang-up) and plays the
 session's answer through a ``CarrierPlayout``. Bad frames are reported as ``error`` events on the
 call's event stream; past ``telephony.max_bad_frames`` the call is closed with a close code that
-says why. The server registers the call with the session manager like any other.
+says why. The server registers the call with the call registry like any other.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from lychee_rtc.config import TelephonySettings
 from lychee_rtc.media.playout import PlayoutCounters
@@ -67,10 +67,15 @@ class CarrierCall:
     outbox: Outbox
     settings: TelephonySettings
     tasks: list[asyncio.Task] = field(default_factory=list)
-    watchdog: asyncio.Task | None = None  # the manager's
+    watchdog: asyncio.Task | None = None  # the registry's
     token: str | None = None  # carriers get no session token; the server key opens the call's resources
     connected_at: float | None = field(default_factory=time.monotonic)
     folded: dict[str, int] = field(default_factory=dict)
+    on_closed: list[Callable[[str], Awaitable[None] | None]] = field(default_factory=list)
+    # A carrier stream cannot be re-attached: it is never suspended (calls.Call).
+    suspended_at: float | None = None
+    suspend_reason: str | None = None
+    resuming: bool = False
     counters: CallCounters = field(default_factory=CallCounters)
     companion: Outbox | None = None  # the call's event stream, when an application watches it
     _own_tasks: list[asyncio.Task] = field(default_factory=list)
@@ -90,7 +95,7 @@ class CarrierCall:
         return call
 
     def start(self, socket: Socket) -> None:
-        """Start writing to the carrier and pacing the answer (after the manager registered the call)."""
+        """Start writing to the carrier and pacing the answer (after the registry registered the call)."""
         self._own_tasks = [
             asyncio.create_task(self.outbox.run(socket), name=f"carrier-writer-{self.session.id}"),
             asyncio.create_task(self.playout.run(), name=f"carrier-pacer-{self.session.id}"),
@@ -137,7 +142,17 @@ class CarrierCall:
         if not self.session.closed:
             self.tasks.append(asyncio.get_running_loop().create_task(self.session.close(reason)))
 
-    # --- the manager's Call protocol -------------------------------------------------------------
+    # --- the registry's Call protocol ------------------------------------------------------------
+
+    @property
+    def resumable(self) -> bool:
+        return False  # the carrier's socket is the call: when it goes, the call ends
+
+    def connect_started_at(self) -> float:
+        return self.session.created_at
+
+    async def drop_path(self) -> None:
+        raise NotImplementedError("a carrier call is never suspended")
 
     def playout_counters(self) -> PlayoutCounters:
         return self.playout.playout_counters()

@@ -38,7 +38,8 @@ from ..base import (
 from .audio import SAMPLE_RATE, WINDOW_SAMPLES
 from .checkpoint import load_model, parse_dtype
 from .graphs import GRAPH_MODES
-from .runner import LycheeRunner, RunnerSettings, SlotResult
+from .runner import LycheeRunner, RunnerSettings
+from .slot import SlotResult
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class LycheeEngineSettings:
     cuda_graphs: str = "auto"
     torch_threads: int | None = None  # CPU: 1 is fastest for the tiny model on a shared machine
     progress: bool = True
-    # The Token2Wav vocoder (shape and checks in lychee_rtc/vocoder/settings.py); absent or null:
+    # The Token2Wav vocoder (shape and checks in lychee_rtc/engine/lychee/token2wav_settings.py); absent or null:
     # no vocoder, speech leaves as codes.
     token2wav: dict | None = None
 
@@ -132,7 +133,7 @@ class LycheeEngineSettings:
         if s.temperature < 0:
             raise SettingsError("engine.lychee.temperature: must be >= 0")
         if s.token2wav:
-            from lychee_rtc.vocoder.settings import Token2WavSettings, VocoderSettingsError
+            from lychee_rtc.engine.lychee.token2wav_settings import Token2WavSettings, VocoderSettingsError
 
             try:  # fail at start-up, naming the key, before any model is loaded
                 Token2WavSettings.from_mapping(s.token2wav, prefix="engine.lychee.token2wav")
@@ -362,7 +363,7 @@ def build_lychee_backend(options: Mapping[str, Any], max_sessions: int, *,
     """
     settings = LycheeEngineSettings.from_mapping(options)
     if vocoder_factory is None and settings.token2wav:
-        from lychee_rtc.vocoder.settings import build_token2wav_pool
+        from lychee_rtc.engine.lychee.token2wav_settings import build_token2wav_pool
 
         vocoder_factory = build_token2wav_pool(settings.token2wav)
     return LycheeBackend(settings, max_sessions, vocoder_factory=vocoder_factory)

@@ -6,6 +6,8 @@ copied into that bucket's buffers, and one function of those buffers computes th
 the function runs eagerly; on CUDA it is captured once as a ``torch.cuda.CUDAGraph`` and replayed,
 so a speaking window's ten decode steps (about 7,000 kernels at full size) cost one launch. The
 eager and the graph path run the same code on the same buffers; only capture/replay is CUDA-only.
+:class:`WindowPrograms` is a runner's cache of these programs (one per kind, length and bucket),
+built from the decode functions of ``decode.py``.
 
 Padding rows must never touch a live session's caches. They use the rows right after the batch
 when those rows belong to no open slot (the batch is then cache rows ``0..b-1`` and attention reads
@@ -22,10 +24,17 @@ same; compiling a 40-layer model also costs minutes of start-up and re-compiles 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Collection, Generic, Sequence, TypeVar
 
 import torch
+from torch import Tensor
+
+from .decode import CHUNK, DecodeRules, RuleRows, listen_window, speak_window
+from .model import LycheeFD
+
+log = logging.getLogger(__name__)
 
 BUCKET_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 GRAPH_MODES = ("auto", "on", "off")
@@ -139,3 +148,131 @@ def fetch(tensors: Sequence[torch.Tensor]) -> list[list]:
         out.append(part.astype(int).tolist() if not t.is_floating_point() else part.tolist())
         at += n
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the window programs of a runner
+
+
+@dataclass
+class ListenBuffers:
+    """Fixed inputs of one listening program (bucket b, T positions per row)."""
+
+    tokens: Tensor  # (b, 3, T) text, stoken, control fed at each position
+    audio: Tensor  # (b, T, H) audio channel
+    audio_idx: Tensor  # (b, T) row of the step's flattened encoder features, -1: <|AudioPad|>
+    pos: Tensor  # (b, T) absolute positions
+    rows: Tensor  # (b,) cache rows
+
+
+@dataclass
+class SpeakBuffers:
+    """Fixed inputs of one speaking program (bucket b, ten decode steps)."""
+
+    pending: Tensor  # (b, 3) the decided, not yet fed tokens of position 10k-1
+    audio: Tensor  # (b, 10, H)
+    audio_idx: Tensor  # (b, 10)
+    base_pos: Tensor  # (b, 1) absolute position of the first fed token
+    hist_len: Tensor  # (b,) speech channel length before the window
+    rows: Tensor  # (b,)
+    temperature: Tensor  # (b,) float32, <= 0: greedy
+    noise: Tensor  # (b, 10, R) uniform draws of each row's own generator
+
+
+@dataclass
+class Program:
+    kind: str  # "listen" | "speak"
+    rows: BatchRows
+    buffers: ListenBuffers | SpeakBuffers
+    run: StaticProgram
+
+
+class WindowPrograms:
+    """The listening and speaking programs of one runner, keyed by (kind, positions, bucket, contiguous).
+
+    Each program owns its buffers; :meth:`capture` records the steady-state ones as CUDA graphs
+    before any slot opens, :meth:`run` fills the audio channel and runs (or replays) one.
+    """
+
+    def __init__(self, model: LycheeFD, rules: DecodeRules, rule_rows: RuleRows, buckets: Sequence[int],
+                 scratch: int, use_graphs: bool):
+        self.model = model
+        self.rules = rules
+        self.rule_rows = rule_rows
+        self.buckets = tuple(buckets)
+        self.scratch = scratch
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.programs: dict[tuple[str, int, int, bool], Program] = {}
+        self.captured = use_graphs
+        self.use_graphs = use_graphs  # False replays nothing (eager), e.g. to compare
+
+    def get(self, kind: str, positions: int, rows: BatchRows) -> Program:
+        key = (kind, positions, rows.size, rows.contiguous)
+        prog = self.programs.get(key)
+        if prog is None:
+            if len(self.programs) >= 8 * len(self.buckets):  # bounded: kinds x lengths x buckets x 2
+                raise RuntimeError(f"unexpected program shape {key}")
+            prog = self._new(kind, positions, rows)
+            self.programs[key] = prog
+        return prog
+
+    def _new(self, kind: str, positions: int, rows: BatchRows) -> Program:
+        b, dev, t = rows.size, self.device, self.rules.tok
+        model, rules, rule_rows = self.model, self.rules, self.rule_rows
+        h = model.embed_tokens.weight.shape[1]
+        # Valid defaults (padding values) so that a capture's warm-up computes something sane.
+        row_t = torch.tensor(rows.rows, device=dev)
+        audio = torch.zeros((b, positions, h), dtype=self.dtype, device=dev)
+        audio_idx = torch.full((b, positions), -1, dtype=torch.long, device=dev)
+        cache_rows = None if rows.contiguous else row_t
+        if kind == "listen":
+            pads = torch.tensor([t.text_pad, t.stoken_pad, t.sleep], device=dev)
+            lb = ListenBuffers(tokens=pads[None, :, None].repeat(b, 1, positions).contiguous(), audio=audio,
+                               audio_idx=audio_idx, pos=torch.arange(positions, device=dev).repeat(b, 1),
+                               rows=row_t)
+
+            def listen() -> tuple[Tensor, Tensor]:
+                return listen_window(model, rules, lb.tokens[:, 0], lb.tokens[:, 1], lb.tokens[:, 2], lb.audio,
+                                     lb.pos, cache_rows)
+
+            return Program(kind, rows, lb, StaticProgram(listen))
+        r = rules.speech_slice.stop - rules.speech_slice.start
+        sb = SpeakBuffers(
+            pending=torch.tensor([[t.text_pad, t.stoken_pad, t.sleep]] * b, device=dev), audio=audio,
+            audio_idx=audio_idx, base_pos=torch.zeros((b, 1), dtype=torch.long, device=dev),
+            hist_len=torch.zeros(b, dtype=torch.long, device=dev), rows=row_t,
+            temperature=torch.zeros(b, dtype=torch.float32, device=dev),
+            noise=torch.full((b, CHUNK, r), 0.5, dtype=torch.float32, device=dev))
+
+        def speak() -> tuple[Tensor, Tensor]:
+            return speak_window(model, rules, rule_rows, sb.pending, sb.audio, sb.base_pos, sb.hist_len, sb.rows,
+                                cache_rows, sb.temperature, sb.noise)
+
+        return Program(kind, rows, sb, StaticProgram(speak))
+
+    def capture(self) -> None:
+        """Capture the steady-state programs of every bucket as CUDA graphs (largest first, one
+        memory pool), then clear the rows their warm-up runs wrote. Only before any slot is open.
+        A listening group's first window (9 positions, once per conversation) stays eager."""
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):
+            for contiguous in (True, False):
+                rows = BatchRows(tuple(range(b)) if contiguous else (self.scratch,) * b, contiguous)
+                for kind in ("speak", "listen"):
+                    with torch.no_grad():
+                        self.get(kind, CHUNK, rows).run.capture(pool)
+        # Rows 0..b-1 and the scratch row now hold warm-up values: clear them for their owners.
+        self.model.reset_rows(list(range(self.scratch + 1)))
+        self.rule_rows.reset(slice(None), self.rules.tok.stoken_pad)
+        log.info("captured %d CUDA graphs (buckets %s)", len(self.programs), list(self.buckets))
+
+    def run(self, prog: Program, feats: Tensor, n: int) -> list[Tensor]:
+        """Fill the audio channel, run (or replay) the program, keep the first ``n`` rows."""
+        buf = prog.buffers
+        pad = self.model.embed_tokens.weight[self.rules.tok.audio_pad]
+        picked = feats[buf.audio_idx.clamp(min=0)].to(pad.dtype)
+        buf.audio.copy_(torch.where((buf.audio_idx >= 0)[..., None], picked, pad))
+        out = prog.run() if self.use_graphs else prog.run.fn()
+        # Graph outputs are overwritten by the next replay: copy the real rows out.
+        return [out[0][:n].clone(), out[1][:n].clone()]

@@ -56,6 +56,9 @@ class TinySpec:
     # speaking), so the tiny model only starts speaking when asked (input_audio_buffer.commit) and
     # then talks until <tts_end> instead of stopping at a random barge-in decision. 0: pure noise.
     decision_bias: float = 0.0
+    # True (with decision_bias): the speech channel never samples <tts_end>, so a response talks
+    # until it is interrupted (or max_speech_tokens forces the end); for tests of the cancel path.
+    endless_speech: bool = False
 
 
 # Released ids (lychee_fd.md 1.7 / token2wav.md E.1); <|BOT|> is placed next to <|EOT|>.
@@ -213,6 +216,13 @@ def bias_decisions(state: dict[str, torch.Tensor], raw: dict, bias: float) -> No
         head[raw[key], 0] = sign * bias
 
 
+def silence_speech_end(state: dict[str, torch.Tensor], raw: dict) -> None:
+    """Let the merge stack see the constant feature of :func:`bias_decisions` and give <tts_end> a
+    large negative weight on it: the speech channel then never picks <tts_end> by itself."""
+    state["merge_model.norm.weight"][0] = 1.0
+    state["lm_head.weight"][raw["tts_end_token_id"], 0] = -1000.0
+
+
 def write_tiny_checkpoint(out: str | Path, *, seed: int = 0, spec: TinySpec | None = None,
                           dtype: torch.dtype = torch.float32) -> Path:
     spec = spec or TinySpec()
@@ -226,6 +236,10 @@ def write_tiny_checkpoint(out: str | Path, *, seed: int = 0, spec: TinySpec | No
     state = random_state(model, seed)
     if spec.decision_bias:
         bias_decisions(state, raw, spec.decision_bias)
+    if spec.endless_speech:
+        if not spec.decision_bias:
+            raise ValueError("endless_speech needs decision_bias (it uses the same constant feature)")
+        silence_speech_end(state, raw)
     state = {k: v.to(dtype) for k, v in state.items()}
 
     names = list(state)

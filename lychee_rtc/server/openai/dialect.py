@@ -74,6 +74,7 @@ class RealtimeTranslator:
         self._finished: deque[str] = deque(maxlen=8)  # ended responses, never announced again
         self._update_ignored: tuple[str, ...] | None = None  # set while this consumer's update runs
         self._voice: str | None = None
+        self._last_heard: str | None = None  # the last response whose audio reached the output buffer
         self._created_at_wall = 0.0
         self.events_dropped = 0
         self.attached = False
@@ -184,6 +185,7 @@ class RealtimeTranslator:
                   output_index=0, content_index=0, delta=ev["delta"])
 
     def _on_output_audio_buffer_started(self, ev: dict[str, Any]) -> None:
+        self._last_heard = ev["response_id"]
         self._out("output_audio_buffer.started", response_id=ev["response_id"])
 
     def _on_output_audio_buffer_stopped(self, ev: dict[str, Any]) -> None:
@@ -279,8 +281,11 @@ class RealtimeTranslator:
         elif etype == "response.cancel":
             s.cancel_response(data.get("response_id"), event_id)
         elif etype == "output_audio_buffer.clear":
-            if not s.clear_output_audio():  # nothing was playing: the answer is still "cleared"
-                self._out("output_audio_buffer.cleared", response_id=None)
+            # Nothing playing: the buffer is already clear, and saying so names the last response
+            # heard (OpenAI's event requires a response id; typed clients reject null). Before any
+            # response there is nothing to name, and nothing is said.
+            if not s.clear_output_audio() and self._last_heard is not None:
+                self._out("output_audio_buffer.cleared", response_id=self._last_heard)
         elif etype in ("input_audio_buffer.commit", "response.create"):
             # A full-duplex model chooses itself when to speak: both ask it to answer now.
             s.commit_input()

@@ -20,9 +20,12 @@ from typing import Any
 
 from aiohttp import web
 
+from lychee_rtc.calls.call import ServerFull
+from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.jsonio import JsonError, strict_json_loads
-from lychee_rtc.media.sdp import SdpError
+from lychee_rtc.rtc.negotiator import RtcNegotiator
+from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.server import auth, http
 from lychee_rtc.server.event_socket import EventSocket
 from lychee_rtc.server.openai.client_secrets import (
@@ -41,7 +44,6 @@ from lychee_rtc.server.openai.session_config import (
     render_session,
     session_options,
 )
-from lychee_rtc.server.sessions import ServerFull, SessionManager
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
 
 CALLS_PATH = "/v1/realtime/calls"
@@ -53,7 +55,8 @@ MAX_SIDEBANDS_PER_CALL = 4
 @dataclass
 class RealtimeSurface:
     settings: Settings
-    manager: SessionManager
+    registry: CallRegistry
+    rtc: RtcNegotiator
     profile: RealtimeProfile
     secrets: ClientSecrets
     sidebands: dict[str, int] = field(default_factory=dict)  # call id -> open sideband sockets
@@ -152,7 +155,7 @@ async def create_call(request: web.Request) -> web.Response:
     except ProtocolError as exc:
         return error(400, exc.code, exc.message, param="session")
     try:
-        call = await surface.manager.create(sdp, options)
+        call = await surface.rtc.create(sdp, options)
     except ServerFull as exc:
         return http.server_full(exc, param=None)
     except SdpError as exc:
@@ -164,7 +167,7 @@ async def create_call(request: web.Request) -> web.Response:
 async def hangup(request: web.Request) -> web.Response:
     surface = request.app[REALTIME_KEY]
     call_id = request.match_info["call_id"]
-    if not await surface.manager.close(call_id, "hangup"):
+    if not await surface.registry.close(call_id, "hangup"):
         return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
     return web.Response(status=200)
 
@@ -226,7 +229,7 @@ async def sideband(request: web.Request) -> web.StreamResponse:
     call_id = request.query.get("call_id")
     if not call_id:
         return error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
-    call = surface.manager.calls.get(call_id)
+    call = surface.registry.calls.get(call_id)
     if call is None:
         return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
     if surface.sidebands.get(call_id, 0) >= MAX_SIDEBANDS_PER_CALL:
@@ -249,9 +252,9 @@ async def sideband(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-def install(app: web.Application, settings: Settings, manager: SessionManager, profile: RealtimeProfile) -> None:
-    app[REALTIME_KEY] = RealtimeSurface(settings, manager, profile,
-                                        ClientSecrets(settings.server.auth_token))
+def install(app: web.Application, settings: Settings, registry: CallRegistry, rtc: RtcNegotiator,
+            profile: RealtimeProfile) -> None:
+    app[REALTIME_KEY] = RealtimeSurface(settings, registry, rtc, profile, ClientSecrets(settings.server.auth_token))
     app.router.add_post(CALLS_PATH, create_call)
     app.router.add_post(CALLS_PATH + "/{call_id}/hangup", hangup)
     app.router.add_post("/v1/realtime/client_secrets", create_client_secret)

@@ -35,11 +35,6 @@ class FlowState:
     def noise_offset(self) -> int:
         return self.estimator.frames
 
-    @property
-    def encoder_positions(self) -> int:
-        """Key length of the frame-rate conformer stack (what the rel-pos table must cover)."""
-        return self.encoder.up_kv.shape[3]
-
 
 class Flow(nn.Module):
     def __init__(self, cfg: FlowConfig, noise_seed: int = 0):

@@ -2,7 +2,7 @@
 
 One instance is shared by every session of an engine: it holds weights and the read-only CFM noise
 buffer only. Anything that changes while audio is produced lives in the per-stream objects of
-``lychee_rtc.vocoder.streaming``.
+``lychee_rtc.engine.lychee.token2wav_stream``.
 """
 
 from __future__ import annotations

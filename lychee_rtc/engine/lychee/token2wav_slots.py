@@ -25,10 +25,10 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..engine.base import AudioChunk, EngineError, EngineEvent, SessionOptions
-from .streaming import EpochFence, StreamRules, VocoderStream, synthesize_hops
-from .token2wav.model import Token2Wav
-from .token2wav.voices import VoiceBank
+from ...vocoder.token2wav.model import Token2Wav
+from ...vocoder.token2wav.voices import VoiceBank
+from ..base import AudioChunk, EngineError, EngineEvent, SessionOptions
+from .token2wav_stream import EpochFence, StreamRules, VocoderStream, synthesize_hops
 
 log = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ class Token2WavSettings:
 
 def build_token2wav_pool(settings: Token2WavSettings | Mapping[str, Any]):
     """Load the model and voices; the result is the lychee backend's ``vocoder_factory``."""
-    from .slots import Token2WavPool
+    from .token2wav_slots import Token2WavPool
 
     if not isinstance(settings, Token2WavSettings):
         settings = Token2WavSettings.from_mapping(settings)

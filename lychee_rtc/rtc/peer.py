@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from aiortc import RTCPeerConnection
+from aiortc.exceptions import InvalidStateError
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +43,33 @@ async def abandon_peer(pc: RTCPeerConnection) -> None:
             except Exception as exc:
                 log.debug("transport %r did not stop: %r", transport, exc)
     pc.remove_all_listeners()
+
+
+def _is_connect_of_a_closed_peer(context: dict[str, Any]) -> bool:
+    task = context.get("future")
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    return (isinstance(context.get("exception"), InvalidStateError)
+            and getattr(coro, "__qualname__", "") == "RTCPeerConnection.__connect")
+
+
+def quiet_connects_of_closed_peers(loop: asyncio.AbstractEventLoop) -> None:
+    """aiortc starts a peer's ICE and DTLS in a task nobody awaits. A peer closed while that task
+    waits (a client that hangs up during set-up) makes it fail with ``InvalidStateError`` ("... is
+    closed"), which asyncio reports as an error with a traceback. That is a hang-up, not a fault: it
+    is logged at DEBUG; every other unhandled exception goes on to the handler there was before.
+    Idempotent per loop.
+    """
+    previous = loop.get_exception_handler()
+    if getattr(previous, "quiets_closed_peers", False):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if _is_connect_of_a_closed_peer(context):
+            log.debug("a peer connection closed while it was connecting: %s", context.get("exception"))
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handler.quiets_closed_peers = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handler)

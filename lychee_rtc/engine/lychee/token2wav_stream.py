@@ -35,9 +35,9 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from ..engine.base import AudioChunk, EngineError, EngineEvent, ResponseDone
-from .token2wav.flow import FlowState
-from .token2wav.model import MEL_CACHE_FRAMES, Token2Wav, Voice
+from ...vocoder.token2wav.flow import FlowState
+from ...vocoder.token2wav.model import MEL_CACHE_FRAMES, Token2Wav, Voice
+from ..base import AudioChunk, EngineError, EngineEvent, ResponseDone
 
 ERR_SEQUENCE_GAP = "vocoder_sequence_gap"
 ERR_INVALID_CODE = "vocoder_invalid_code"

@@ -1,4 +1,5 @@
-"""Prometheus metrics, in a registry owned by the application (no process-global state)."""
+"""Prometheus metrics of calls and their sessions, in a registry owned by the application (no
+process-global state): the call registry counts and folds into it, sessions report through it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from lychee_rtc.session.observer import SessionObserver
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.8, 1.2, 2.0)
 
 
-class ServerMetrics(SessionObserver):
+class CallMetrics(SessionObserver):
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:

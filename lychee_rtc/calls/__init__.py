@@ -1,0 +1,1 @@
+"""Calls of every transport: admission, lifetime and teardown in one registry (see ``registry``)."""

@@ -1,0 +1,1 @@
+"""WebRTC: offers and answers, resume, trickle ICE, and the media and data-channel plumbing of aiortc."""
