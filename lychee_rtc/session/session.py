@@ -242,10 +242,11 @@ class DuplexSession:
     # --- events out ----------------------------------------------------------------------------------
 
     def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
+        """Every event of the session, once: stamped, journaled and handed to every dialect."""
         return self.events.emit(event_type, **fields)
 
     def report_error(self, err: ProtocolError) -> None:
-        """A client's message was refused: counted, and said on the session's event stream."""
+        """Tell the clients of an error (a refused message, the engine's): counted as ``bad_messages``."""
         self.counters.bad_messages += 1
         self.emit("error", error=error_body(err))
 
