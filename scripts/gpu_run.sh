@@ -9,9 +9,15 @@
 #   OUT=/tmp/results scripts/gpu_run.sh            # on the GPU machine
 #   OUT=/tmp/results scripts/gpu_run.sh --tiny     # the same steps at tiny size on a CPU (a check)
 #
+# The last step is end to end through the server (`lychee-rtc bench e2e`): configs/lychee-c4.yaml,
+# N = 1, 2, 4 aiortc callers speaking the recorded utterances of tests/fixtures/speech; window
+# deadline misses, dropped windows, end of utterance to first answer audio. On the GPU it serves the
+# models the profile names (mounted under /models); with --tiny it swaps in tiny random ones on the
+# CPU, N = 1, 2 only, to fit a shared machine.
+#
 # Knobs (environment): PYTHON (default python3), WINDOWS (30), CONCURRENCY (1,2,4,8,16),
-# STEP_TIMEOUT_S (330, the bench gpu step), SMALL_TIMEOUT_S (90, every other step): at most about
-# 9.5 minutes in all. bench gpu writes its report after every C, so a step cut short keeps the Cs
+# STEP_TIMEOUT_S (330, the bench gpu step), E2E_TIMEOUT_S (300, the end-to-end step),
+# SMALL_TIMEOUT_S (90, every other step): at most about 14.5 minutes in all. bench gpu writes its report after every C, so a step cut short keeps the Cs
 # it finished; it exits non-zero when a row has fewer windows than asked or nothing was measured.
 set -uo pipefail
 
@@ -23,10 +29,13 @@ WINDOWS=${WINDOWS:-30}
 CONCURRENCY=${CONCURRENCY:-1,2,4,8,16}
 STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-330}
 SMALL_TIMEOUT_S=${SMALL_TIMEOUT_S:-90}
+E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}
 EXTRA=()
+E2E=(--sessions 1,2,4 --turns 2)
 if [[ "${1:-}" == "--tiny" ]]; then
   SIZE=tiny DEVICE=cpu WINDOWS=${TINY_WINDOWS:-2} CONCURRENCY=1,2
   EXTRA=(--threads 1 --prompt-seconds 1 --warmup 1)
+  E2E=(--sessions 1,2 --turns 1 --tiny "$OUT/e2e-tiny" --device cpu)
 fi
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, installed or not
@@ -75,6 +84,9 @@ else
   step bench_vocoder "$SMALL_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench vocoder --size tiny --device cpu \
     --concurrency 1 2 --rounds 2 --prompt-seconds 1 --threads 1 --json "$OUT/vocoder.json"
 fi
+
+step e2e "$E2E_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench e2e --config configs/lychee-c4.yaml \
+  --json "$OUT/e2e.json" "${E2E[@]}"
 
 echo "summary: ${SUMMARY[*]}" | tee "$OUT/summary.txt"
 exit $((FAILED > 0))

@@ -85,11 +85,17 @@ def test_gpu_run_script_runs_every_step_at_tiny_size(tmp_path):
     """The one script meant for a fresh GPU machine, run here at tiny size on the CPU."""
     out = tmp_path / "results"
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--tiny"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={"OUT": str(out), "PYTHON": sys.executable,
+                          text=True, timeout=900, env={"OUT": str(out), "PYTHON": sys.executable,
                                                        "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
-    assert summary.split() == ["summary:", "environment=0", "tests_graphs=0", "bench_gpu=0", "bench_vocoder=0"]
+    assert summary.split() == ["summary:", "environment=0", "tests_graphs=0", "bench_gpu=0", "bench_vocoder=0",
+                               "e2e=0"]
     rows = json.loads((out / "bench-gpu" / "bench_gpu.json").read_text())["rows"]
     assert {(r["sessions"], r["state"]) for r in rows} == {(1, "listen"), (1, "speak"), (2, "listen"), (2, "speak")}
     assert json.loads((out / "vocoder.json").read_text())
+    e2e = json.loads((out / "e2e.json").read_text())
+    assert [(s["sessions"], s["answered"]) for s in e2e["steps"]] == [(1, 1), (2, 2)]
+    for s in e2e["steps"]:
+        assert s["engine_steps"] > 0 and 0 <= s["deadline_misses"] <= s["engine_steps"]
+        assert all(t["first_audio_ms"] > 0 for t in s["turns"])

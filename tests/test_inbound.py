@@ -10,7 +10,8 @@ from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
 
 from lychee_rtc.engine.base import EngineCapabilities
-from lychee_rtc.rtc.inbound import InboundCounters, consume_audio
+from lychee_rtc.media.uplink import InboundCounters
+from lychee_rtc.rtc.inbound import consume_audio
 
 
 class ScriptedTrack(MediaStreamTrack):

@@ -39,7 +39,7 @@ from lychee_rtc.telephony.frames import (
 )
 from lychee_rtc.telephony.g711 import g711_decode, g711_encode
 from lychee_rtc.telephony.outbox import Outbox
-from lychee_rtc.telephony.playout import CarrierPlayout
+from lychee_rtc.telephony.pacer import CarrierPacer
 
 SETTINGS = TelephonySettings(**CREDENTIALS)
 
@@ -111,6 +111,8 @@ def test_detection_and_start_from_documented_frames(provider):
     else:
         assert dialect.parse(b"\x00\x00" * 320) == AudioIn(b"\x00\x00" * 320)
     assert dialect.parse(json.dumps(fill(s["dtmf"], {"seq": 3, "digit": "#"}))) == DigitPressed("#")
+    # Keys A-D come in either case and reach the session as the upper-case key.
+    assert dialect.parse(json.dumps(fill(s["dtmf"], {"seq": 3, "digit": "b"}))) == DigitPressed("B")
     assert dialect.parse(json.dumps(fill(s["mark"], {"seq": 4, "name": "m1"}))) == MarkPlayed("m1")
     if s["stop"] is not None:
         assert isinstance(dialect.parse(json.dumps(fill(s["stop"], {"seq": 5}))), StreamStopped)
@@ -124,6 +126,7 @@ def test_detection_and_start_from_documented_frames(provider):
     (json.dumps({"event": "media"}), "media"),
     (json.dumps({"event": "media", "media": {"payload": "%%%"}}), "base64"),
     (json.dumps({"event": "dtmf", "dtmf": {"digit": "12"}}), "DTMF"),
+    (json.dumps({"event": "dtmf", "dtmf": {"digit": ""}}), "DTMF"),
     (json.dumps({"event": "mark", "mark": {}}), "name"),
 ])
 def test_malformed_frames_are_precise_errors(provider, bad, needle):
@@ -274,11 +277,11 @@ class Listener:
         self.finished.append((response_id, played_samples))
 
 
-def _pacer(**settings) -> tuple[CarrierPlayout, Outbox, Listener]:
+def _pacer(**settings) -> tuple[CarrierPacer, Outbox, Listener]:
     dialect = DIALECTS["twilio"]()
     dialect.parse(json.dumps(spec("twilio")["handshake"][-1]))
     outbox = Outbox(10_000)
-    playout = CarrierPlayout(24000, dialect, outbox, TelephonySettings(**settings), max_buffer_s=30)
+    playout = CarrierPacer(24000, dialect, outbox, TelephonySettings(**settings), max_buffer_s=30)
     listener = Listener()
     playout.listener = listener
     return playout, outbox, listener

@@ -29,8 +29,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 @asynccontextmanager
-async def spawned_server(config: str, env: dict[str, str] | None = None) -> AsyncIterator[tuple[str, int]]:
-    """Start ``lychee-rtc serve`` on a free port; yields (base_url, pid) once /readyz answers 200."""
+async def spawned_server(config: str, env: dict[str, str] | None = None,
+                         ready_timeout_s: float = 60.0) -> AsyncIterator[tuple[str, int]]:
+    """Start ``lychee-rtc serve`` on a free port; yields (base_url, pid) once /readyz answers 200.
+
+    ``ready_timeout_s``: a model server loads weights and captures graphs before it is ready."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "lychee_rtc.cli", "--log-level", "WARNING", "serve", "--config", config,
@@ -39,7 +42,7 @@ async def spawned_server(config: str, env: dict[str, str] | None = None) -> Asyn
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + ready_timeout_s
         async with aiohttp.ClientSession() as http:
             while True:
                 if proc.poll() is not None:
@@ -51,7 +54,7 @@ async def spawned_server(config: str, env: dict[str, str] | None = None) -> Asyn
                 except aiohttp.ClientError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError("server did not become ready within 60 s")
+                    raise RuntimeError(f"server did not become ready within {ready_timeout_s:.0f} s")
                 await asyncio.sleep(0.2)
         yield url, proc.pid
     finally:

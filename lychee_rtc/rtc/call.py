@@ -11,7 +11,7 @@ from aiortc import RTCPeerConnection
 
 from lychee_rtc.calls.tokens import new_session_token
 from lychee_rtc.media.playout import PlayoutCounters
-from lychee_rtc.rtc.inbound import InboundCounters
+from lychee_rtc.media.uplink import InboundCounters
 from lychee_rtc.rtc.outbound import PacedAudioTrack
 from lychee_rtc.rtc.peer import abandon_peer
 from lychee_rtc.rtc.sctp_guard import SctpGuard, undelivered_chunks

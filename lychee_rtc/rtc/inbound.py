@@ -18,8 +18,6 @@ from lychee_rtc.session.session import DuplexSession
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InboundCounters", "consume_audio", "drain"]
-
 
 async def consume_audio(track: MediaStreamTrack, session: DuplexSession, counters: InboundCounters) -> None:
     rate = session.capabilities.input_rate

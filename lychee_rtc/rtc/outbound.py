@@ -20,15 +20,12 @@ from aiortc import MediaStreamTrack
 from aiortc.mediastreams import MediaStreamError
 
 from lychee_rtc.aio import wait_event
-from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
-from lychee_rtc.session.sink import CutReport
+from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
+from lychee_rtc.media.playout import EpochPlayout
 
 FRAME_MS = 20
 # Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
 MAX_CATCH_UP_S = 0.2
-# Live mode keeps at most this much audio queued beyond the frame being sent; more is standing delay
-# (a burst after a loss, a start-up backlog) and is dropped at once.
-LIVE_MARGIN_S = 0.003
 # Live mode: a frame may leave this much before its slot when its audio is already there, and a slot
 # waits this much past its time for audio that is about to arrive before sending silence.
 LIVE_LEAD_S = 0.015
@@ -36,17 +33,18 @@ LIVE_GRACE_S = 0.004
 
 
 @dataclass
-class TrackCounters:
+class TrackCounters(SinkCounters):
     frames: int = 0
     silent_frames: int = 0
-    stale_chunks: int = 0  # writes rejected because their epoch was no longer live
     reanchors: int = 0
-    trimmed_samples: int = 0  # live mode: standing delay removed
     early_frames: int = 0  # live mode: sent ahead of schedule because the audio was there
 
 
-class PacedAudioTrack(MediaStreamTrack):
+class PacedAudioTrack(MediaStreamTrack, EpochSink):
+    """An aiortc track, and the session's sink (``EpochSink``) it plays from."""
+
     kind = "audio"
+    counters: TrackCounters
 
     def __init__(
         self,
@@ -56,14 +54,12 @@ class PacedAudioTrack(MediaStreamTrack):
         clock: Callable[[], float] = time.monotonic,
         live: bool = False,
     ) -> None:
-        super().__init__()
-        self.playout = EpochPlayout(in_rate, out_rate, max_buffer_s)
-        self.counters = TrackCounters()
+        super().__init__()  # MediaStreamTrack's
+        EpochSink.__init__(self, EpochPlayout(in_rate, out_rate, max_buffer_s), TrackCounters())
         self._clock = clock
         self._t0: float | None = None
         self._frame_index = 0
         self.live = live
-        self._audio_arrived = asyncio.Event()
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -75,14 +71,6 @@ class PacedAudioTrack(MediaStreamTrack):
     def out_rate(self) -> int:
         return self.playout.out_rate
 
-    @property
-    def listener(self) -> PlayoutListener | None:
-        return self.playout.listener
-
-    @listener.setter
-    def listener(self, listener: PlayoutListener | None) -> None:
-        self.playout.listener = listener
-
     def set_output_rate(self, rate: int) -> None:
         """Match the negotiated codec's clock; only before the first frame is sent."""
         if self._t0 is None:
@@ -92,43 +80,13 @@ class PacedAudioTrack(MediaStreamTrack):
     def frame_samples(self) -> int:
         return self.out_rate * FRAME_MS // 1000
 
-    # --- the sink the session writes into (session.sink.AudioSink) -------------------------------
-
-    @property
-    def epoch(self) -> int:
-        return self.playout.epoch
-
-    @property
-    def depth_ms(self) -> float:
-        return self.playout.depth_ms
-
     @property
     def sent_samples(self) -> int:
         return self.playout.position
 
-    def write(self, epoch: int, response_id: str, pcm: np.ndarray) -> bool:
-        if not self.playout.write(epoch, response_id, pcm):
-            self.counters.stale_chunks += 1
-            return False
-        self._audio_arrived.set()
-        return True
-
-    def end_response(self, epoch: int, response_id: str) -> bool:
-        if not self.playout.end_response(epoch, response_id):
-            self.counters.stale_chunks += 1
-            return False
-        return True
-
-    def cut(self, new_epoch: int) -> CutReport:
-        """Drop everything queued and start a fresh buffer for ``new_epoch``."""
-        return self.playout.cut(new_epoch)
-
     def stop(self) -> None:
         super().stop()
         self.playout.close()
-
-    def playout_counters(self) -> PlayoutCounters:
-        return self.playout.playout_counters()
 
     # --- aiortc ----------------------------------------------------------------------------------
 
@@ -161,9 +119,7 @@ class PacedAudioTrack(MediaStreamTrack):
             await wait_event(self._audio_arrived, wake - now)
         if self._clock() < due:
             self.counters.early_frames += 1
-        excess = self.playout.depth_samples - n - int(LIVE_MARGIN_S * self.out_rate)
-        if excess > 0:
-            self.counters.trimmed_samples += self.playout.discard(excess)
+        self.trim_standing_delay(n)
 
     def _next_frame(self) -> av.AudioFrame:
         epoch = self.playout.epoch

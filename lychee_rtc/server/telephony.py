@@ -62,6 +62,8 @@ class TelephonyEndpoint:
     def __init__(self, settings: Settings, registry: CallRegistry) -> None:
         self.settings = settings
         self.registry = registry
+        self._calls: dict[str, CarrierCall] = {}  # session id -> the phone calls among the registry's
+        registry.on_removed.append(lambda call: self._calls.pop(call.session.id, None))
 
     # --- the carrier's socket --------------------------------------------------------------------
 
@@ -153,6 +155,7 @@ class TelephonyEndpoint:
             call = CarrierCall.create(lambda sink: self.registry.new_session(slot, sink, options), dialect, started,
                                       self.settings.telephony, caps.output_rate, self.settings.session.playout_max_s,
                                       live=caps.live_passthrough)
+            self._calls[call.session.id] = call
             self.registry.register(call)
             return call
 
@@ -160,8 +163,7 @@ class TelephonyEndpoint:
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         key = request.match_info["call"]
-        call = next((c for c in self.registry.calls.values()
-                     if isinstance(c, CarrierCall) and c.matches(key)), None)
+        call = next((c for c in self._calls.values() if c.matches(key)), None)
         if call is None:
             return http.error_response(404, "call_not_found", f"no phone call {key!r}")
         if call.companion is not None:

@@ -1,7 +1,7 @@
 """One phone call: a carrier's WebSocket, its dialect, and the duplex session it feeds.
 
 The call translates carrier events into the session's inputs (audio, digits, hang-up) and plays the
-session's answer through a ``CarrierPlayout``. Bad frames are reported as ``error`` events on the
+session's answer through a ``CarrierPacer``. Bad frames are reported as ``error`` events on the
 call's event stream; past ``telephony.max_bad_frames`` the call is closed with a close code that
 says why. The server registers the call with the call registry like any other.
 """
@@ -35,7 +35,7 @@ from lychee_rtc.telephony.frames import (
     Unhandled,
 )
 from lychee_rtc.telephony.outbox import Outbox, Socket
-from lychee_rtc.telephony.playout import CarrierPlayout
+from lychee_rtc.telephony.pacer import CarrierPacer
 from lychee_rtc.telephony.uplink import CarrierUplink
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class CarrierCall:
     session: DuplexSession
     dialect: Dialect
     started: StreamStarted
-    playout: CarrierPlayout
+    pacer: CarrierPacer
     uplink: CarrierUplink
     outbox: Outbox
     settings: TelephonySettings
@@ -86,11 +86,11 @@ class CarrierCall:
         """``session_factory(sink)`` makes the session that will play into the call's playout."""
         outbox = Outbox(OUTBOX_LIMIT)
         holder: dict[str, CarrierCall] = {}
-        playout = CarrierPlayout(in_rate, dialect, outbox, settings, max_buffer_s,
-                                 on_stalled=lambda: holder["call"].end("carrier_not_reading"), live=live)
-        session = session_factory(playout)
-        playout.listener = session
-        call = cls(session, dialect, started, playout, CarrierUplink(session, started.audio), outbox, settings)
+        pacer = CarrierPacer(in_rate, dialect, outbox, settings, max_buffer_s,
+                             on_stalled=lambda: holder["call"].end("carrier_not_reading"), live=live)
+        session = session_factory(pacer)
+        pacer.listener = session
+        call = cls(session, dialect, started, pacer, CarrierUplink(session, started.audio), outbox, settings)
         holder["call"] = call
         return call
 
@@ -98,7 +98,7 @@ class CarrierCall:
         """Start writing to the carrier and pacing the answer (after the registry registered the call)."""
         self._own_tasks = [
             asyncio.create_task(self.outbox.run(socket), name=f"carrier-writer-{self.session.id}"),
-            asyncio.create_task(self.playout.run(), name=f"carrier-pacer-{self.session.id}"),
+            asyncio.create_task(self.pacer.run(), name=f"carrier-pacer-{self.session.id}"),
         ]
 
     # --- carrier frames --------------------------------------------------------------------------
@@ -112,7 +112,7 @@ class CarrierCall:
             if isinstance(event, AudioIn):
                 self.uplink.push(event.payload, event.timestamp_ms)
             elif isinstance(event, MarkPlayed):
-                self.playout.on_mark(event.name)
+                self.pacer.on_mark(event.name)
             elif isinstance(event, DigitPressed):
                 self.counters.digits += 1
                 self.session.push_dtmf(event.digit, "carrier")
@@ -155,14 +155,14 @@ class CarrierCall:
         raise NotImplementedError("a carrier call is never suspended")
 
     def playout_counters(self) -> PlayoutCounters:
-        return self.playout.playout_counters()
+        return self.pacer.playout_counters()
 
     async def close_transport(self) -> None:
         reason = self.session.close_reason or "closed"
         code = CLOSE_CODES.get(reason, CLOSE_NORMAL)
         for task in self._own_tasks[1:]:
             task.cancel()
-        self.playout.playout.close()
+        self.pacer.playout.close()
         self.uplink.close()
         self.outbox.close(code, reason)
         if self.companion is not None:
@@ -180,10 +180,10 @@ class CarrierCall:
         snap["connection_state"] = "closing" if self.outbox.closing else "open"
         snap["codec"] = self.started.audio.label
         snap["telephony"] = {"provider": self.dialect.name, "call_id": self.started.call_id,
-                             "stream_id": self.started.stream_id, "marks_trusted": self.playout.marks_trusted,
+                             "stream_id": self.started.stream_id, "marks_trusted": self.pacer.marks_trusted,
                              "event_stream": self.companion is not None}
-        playout = self.playout.playout_counters()
-        c = self.playout.counters
+        playout = self.pacer.playout_counters()
+        c = self.pacer.counters
         snap["counters"].update({
             "inbound_frames": self.uplink.counters.frames,
             "inbound_gaps": self.uplink.counters.gaps,
@@ -198,7 +198,7 @@ class CarrierCall:
             "marks_after_clear": c.marks_after_clear,
             "flushes": c.flushes,
             "held_for_playout": c.held_for_playout,
-            "unconfirmed_ms": round(self.playout.unconfirmed_ms, 1),
+            "unconfirmed_ms": round(self.pacer.unconfirmed_ms, 1),
             "playout_underrun_samples": playout.underrun_samples,
             "playout_overflow_samples": playout.overflow_samples,
         })

@@ -18,8 +18,6 @@ CLOSE_INVALID_PAYLOAD = 1007
 CLOSE_POLICY = 1008
 CLOSE_TRY_AGAIN_LATER = 1013
 
-DTMF_DIGITS = frozenset("0123456789*#ABCDabcd")
-
 
 class FrameError(ValueError):
     """A frame we cannot use; ``close_code`` is what the connection closes with if it is fatal."""
@@ -38,10 +36,6 @@ class AudioFormat:
     def label(self) -> str:
         name = {"mulaw": "PCMU", "alaw": "PCMA", "pcm16": "L16"}[self.encoding]
         return f"{name}/{self.rate}"
-
-    @property
-    def bytes_per_sample(self) -> int:
-        return 2 if self.encoding == "pcm16" else 1
 
     def decode(self, payload: bytes) -> np.ndarray:
         if self.encoding == "pcm16":

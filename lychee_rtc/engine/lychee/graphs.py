@@ -204,7 +204,6 @@ class WindowPrograms:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.programs: dict[tuple[str, int, int, bool], Program] = {}
-        self.captured = use_graphs
         self.use_graphs = use_graphs  # False replays nothing (eager), e.g. to compare
 
     def get(self, kind: str, positions: int, rows: BatchRows) -> Program:

@@ -37,8 +37,16 @@ log = logging.getLogger(__name__)
 OAI_EVENTS_LABEL = "oai-events"
 MAX_ITEMS = 64  # recent items kept for conversation.item.retrieve
 MAX_TRANSCRIPT_CHARS = 32_000
-# Our reasons for the end of a response, as GA's status_details.reason where GA has one.
-GA_REASONS = {"client_cancel": "client_cancelled", "barge_in": "turn_detected", "model_barge_in": "turn_detected"}
+# Our reasons for the end of a response, as GA's status_details.reason where GA has one. GA names
+# only these (a new turn from the caller, or the client's cancel); a response ended by a hang-up, a
+# lost connection, a shutdown or a newer response carries no reason, as GA's clients expect.
+GA_REASONS = {
+    "client_cancel": "client_cancelled",
+    "turn.listen": "client_cancelled",
+    "barge_in": "turn_detected",
+    "model_barge_in": "turn_detected",
+    "dtmf": "turn_detected",  # a key press is the caller's turn, like speech
+}
 
 
 @lru_cache(maxsize=1)
@@ -214,7 +222,9 @@ class RealtimeTranslator:
         self._out("conversation.item.done", item=item, previous_item_id=state.previous_item_id)
         details = None
         if status != "completed":
-            details = {"type": status, "reason": GA_REASONS.get(reason, reason)}
+            details = {"type": status}
+            if reason in GA_REASONS:
+                details["reason"] = GA_REASONS[reason]
         self._out("response.done", response=self._response(rid, status, details, [item]))
 
     def _on_error(self, ev: dict[str, Any]) -> None:

@@ -8,10 +8,10 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from lychee_rtc.engine.base import DTMF_DIGITS
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.telephony.frames import (
     CLOSE_UNSUPPORTED_DATA,
-    DTMF_DIGITS,
     AudioFormat,
     AudioIn,
     CarrierEvent,
@@ -194,7 +194,8 @@ def b64(data: bytes) -> str:
 
 
 def digit(value: Any) -> DigitPressed:
-    if not isinstance(value, str) or value not in DTMF_DIGITS:
+    """One key, in either case (carriers send ``a``-``d`` as well as ``A``-``D``)."""
+    if not isinstance(value, str) or len(value) != 1 or value.upper() not in DTMF_DIGITS:
         raise FrameError(f"DTMF digit {value!r} is not one of 0-9, *, #, A-D")
     return DigitPressed(value.upper())
 

@@ -19,25 +19,22 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
 from lychee_rtc.aio import wait_event
 from lychee_rtc.config import TelephonySettings
-from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener, PlayoutMark
+from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
+from lychee_rtc.media.playout import EpochPlayout, PlayoutMark
 from lychee_rtc.session.sink import CutReport
 from lychee_rtc.telephony.carriers.base import Dialect
 from lychee_rtc.telephony.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
-# A passthrough engine (loopback) keeps at most this much queued beyond the frame being sent.
-LIVE_MARGIN_S = 0.003
 # Names of marks a cut discarded, remembered so their echoes are not taken as playout.
 CUT_MARKS_REMEMBERED = 1024
 
 
 @dataclass
-class CarrierPlayoutCounters:
+class CarrierPacerCounters(SinkCounters):
     frames: int = 0
     marks_sent: int = 0
     marks_played: int = 0  # echoes that confirmed audio as heard
@@ -46,8 +43,6 @@ class CarrierPlayoutCounters:
     flushes: int = 0
     held_for_playout: int = 0  # times sending waited for the caller's playout to catch up
     marks_timed_out: int = 0
-    stale_chunks: int = 0
-    trimmed_samples: int = 0  # passthrough engines: standing delay dropped
 
 
 @dataclass
@@ -59,15 +54,18 @@ class _PendingMark:
     finished: list[tuple[PlayoutMark, int]] = field(default_factory=list)  # ended responses, frame offsets
 
 
-class CarrierPlayout:
+class CarrierPacer(EpochSink):
+    """The session's sink for a phone call (``EpochSink``) and the task that paces it to the carrier."""
+
+    counters: CarrierPacerCounters
+
     def __init__(self, in_rate: int, dialect: Dialect, outbox: Outbox, settings: TelephonySettings,
                  max_buffer_s: float, clock: Callable[[], float] = time.monotonic,
                  on_stalled: Callable[[], None] | None = None, live: bool = False) -> None:
         self.dialect = dialect
         self.outbox = outbox
         self.settings = settings
-        self.counters = CarrierPlayoutCounters()
-        self.playout = EpochPlayout(in_rate, dialect.audio.rate, max_buffer_s)
+        super().__init__(EpochPlayout(in_rate, dialect.audio.rate, max_buffer_s), CarrierPacerCounters())
         self.frame_samples = dialect.audio.rate * dialect.frame_ms() // 1000
         self.marks_trusted = True  # False once the carrier has shown it does not echo marks
         self._clock = clock
@@ -78,7 +76,6 @@ class CarrierPlayout:
         self._mark_every = max(self.frame_samples, settings.mark_interval_ms * rate // 1000)
         self._carrier_until = 0.0  # when the carrier will have played everything sent (estimate)
         self.live = live
-        self._live_margin = int(LIVE_MARGIN_S * rate)
         self._short_since: float | None = None  # when the queue was found short of a frame mid-response
         self._sent_position = 0  # outbound stream offset after the last frame sent
         self._confirmed_position = 0  # ... up to which the carrier has confirmed playout
@@ -91,48 +88,17 @@ class CarrierPlayout:
         self._last_response: str | None = None
         self._cut_marks: deque[str] = deque(maxlen=CUT_MARKS_REMEMBERED)
         self._cut_names: set[str] = set()
-        self._audio_arrived = asyncio.Event()
         self._mark_arrived = asyncio.Event()
 
-    # --- the AudioSink the session writes into ---------------------------------------------------
-
-    @property
-    def listener(self) -> PlayoutListener | None:
-        return self.playout.listener
-
-    @listener.setter
-    def listener(self, listener: PlayoutListener | None) -> None:
-        self.playout.listener = listener
-
-    @property
-    def epoch(self) -> int:
-        return self.playout.epoch
-
-    @property
-    def depth_ms(self) -> float:
-        return self.playout.depth_ms
+    # --- the AudioSink the session writes into (EpochSink), and what a cut must also do -------------
 
     @property
     def unconfirmed_ms(self) -> float:
         return 1000.0 * (self._sent_position - self._confirmed_position) / self.dialect.audio.rate
 
-    def write(self, epoch: int, response_id: str, pcm: np.ndarray) -> bool:
-        if not self.playout.write(epoch, response_id, pcm):
-            self.counters.stale_chunks += 1
-            return False
-        self._audio_arrived.set()
-        return True
-
-    def end_response(self, epoch: int, response_id: str) -> bool:
-        if not self.playout.end_response(epoch, response_id):
-            self.counters.stale_chunks += 1
-            return False
-        self._audio_arrived.set()
-        return True
-
     def cut(self, new_epoch: int) -> CutReport:
         """Drop the queue, take back unsent frames, flush the carrier; report what was heard."""
-        report = self.playout.cut(new_epoch)
+        report = super().cut(new_epoch)
         response_id = report.response_id or self._last_response
         played = self._heard(response_id)
         unconfirmed = self._sent_position - self._confirmed_position
@@ -156,9 +122,6 @@ class CarrierPlayout:
         self._mark_arrived.set()
         return CutReport(report.old_epoch, response_id, played, report.discarded_samples + max(0, unconfirmed),
                          report.sample_offset, report.rate)
-
-    def playout_counters(self) -> PlayoutCounters:
-        return self.playout.playout_counters()
 
     def _heard(self, response_id: str | None) -> int:
         if response_id is None:
@@ -231,9 +194,7 @@ class CarrierPlayout:
                     continue
             self._short_since = None
             if self.live:  # a passthrough engine: what queued up behind a stall is standing delay
-                excess = self.playout.depth_samples - self.frame_samples - self._live_margin
-                if excess > 0:
-                    self.counters.trimmed_samples += self.playout.discard(excess)
+                self.trim_standing_delay(self.frame_samples)
             self._carrier_until = max(self._carrier_until, now) + frame_s
             self._send_frame()
 
