@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lychee_rtc.engine.base import WindowTiming
-from lychee_rtc.session.session import SessionObserver
+from lychee_rtc.session.observer import SessionObserver
 
 # Step-time buckets around the 400 ms window deadline.
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.8, 1.2, 2.0)

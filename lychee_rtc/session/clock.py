@@ -1,4 +1,4 @@
-"""The session's window clock (ARCHITECTURE section 3).
+"""The session's window clock (docs/architecture.md, "Where a 400 ms window goes").
 
 Uplink audio is cut into exact windows of ``window_samples``. The clock is driven by two inputs:
 ``write`` (decoded samples, appended at the uplink's stream position) and ``gap`` (samples the
@@ -8,9 +8,10 @@ that arrive afterwards for that closed window are dropped and counted as late. T
 clocked by wall time and never stalled by the network, while everything is counted in samples.
 
 The anchor ``t0`` follows the uplink: when samples turn up late (a longer network path, a sender
-clock slower than ours), the deadlines move later until those samples would have had the full grace,
-so one late stretch costs its own samples and nothing after it; when windows keep completing far ahead of their deadlines, the
-anchor moves earlier again, so a stall is detected within the grace period.
+clock slower than ours), the deadlines move later until those samples would have had the full
+grace, so one late stretch costs its own samples and nothing after it; when windows keep completing
+far ahead of their deadlines, the anchor moves earlier again, so a stall is detected within the
+grace period.
 """
 
 from __future__ import annotations

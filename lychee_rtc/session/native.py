@@ -77,4 +77,5 @@ class NativeDialect:
         elif ev.type == "session.close":
             s.request_close("client_closed")
         else:  # the schema and this dispatcher disagree: a server bug, said plainly
-            raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id, "server_error")
+            raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id,
+                                "server_error")

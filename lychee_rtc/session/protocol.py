@@ -2,12 +2,12 @@
 
 The schema is the single definition of the wire format; this module turns a raw message into a
 checked ``ClientEvent`` or a ``ProtocolError`` with an OpenAI-style error class and code, and
-stamps outgoing server events with their ``seq``.
+checks server events against their definitions (the event stream, ``session/event_stream.py``,
+gives them their ``seq``).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from dataclasses import dataclass
@@ -112,17 +112,6 @@ def parse_client_event(raw: str | bytes) -> ClientEvent:
 def validate_server_event(event: dict[str, Any]) -> None:
     """Raise jsonschema.ValidationError if ``event`` does not match its server definition."""
     validator(f"server.{event['type']}").validate(event)
-
-
-class EventStamper:
-    """Gives each server event its monotonically increasing ``seq`` and an ``event_id``."""
-
-    def __init__(self) -> None:
-        self._seq = itertools.count(1)
-
-    def stamp(self, event_type: str, **fields: Any) -> dict[str, Any]:
-        seq = next(self._seq)
-        return {"type": event_type, "seq": seq, "event_id": f"evt_{seq}", **fields}
 
 
 def error_body(err: ProtocolError) -> dict[str, Any]:

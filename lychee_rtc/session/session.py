@@ -14,36 +14,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Literal
 
 import numpy as np
 
 from lychee_rtc.config import SessionSettings
-from lychee_rtc.engine.base import (
-    AudioChunk,
-    BargeIn,
-    CodecTokens,
-    DTMF_DIGITS,
-    Control,
-    ControlKind,
-    EngineError,
-    EngineEvent,
-    ResponseDone,
-    ResponseStarted,
-    SessionOptions,
-    SpeechStarted,
-    SpeechStopped,
-    TextDelta,
-    TurnState,
-    WindowTiming,
-)
+from lychee_rtc.engine.base import (AudioChunk, BargeIn, CodecTokens, Control, ControlKind, DTMF_DIGITS,
+                                    EngineError, EngineEvent, ResponseDone, ResponseStarted, SessionOptions,
+                                    SpeechStarted, SpeechStopped, TextDelta, TurnState, WindowTiming)
 from lychee_rtc.engine.scheduler import EngineSlot
 from lychee_rtc.session.clock import Window, WindowClock
 from lychee_rtc.session.event_stream import EventChannel, EventStream
-from lychee_rtc.session.ledger import ResponseLedger, ResponseRecord
 from lychee_rtc.session.message_rate import MessageRate
+from lychee_rtc.session.observer import SessionCounters, SessionObserver
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError, error_body
+from lychee_rtc.session.responses import Responses
 from lychee_rtc.session.sink import AudioSink
 from lychee_rtc.session.window_input import WindowInput
 
@@ -55,27 +41,6 @@ RESPONSE_SCOPED = (ResponseStarted, TextDelta, CodecTokens, AudioChunk, Response
 # What a change of instructions did: nothing new; prefilled as the system prompt before the model
 # first spoke; kept for the model's next context reset (mid-conversation); or not used by this engine.
 InstructionsEffect = Literal["unchanged", "applied", "next_context_reset", "unused"]
-
-
-@dataclass
-class SessionCounters:
-    messages_in: int = 0
-    bad_messages: int = 0
-    rate_limited_messages: int = 0
-    stale_engine_events: int = 0
-    stale_audio_chunks: int = 0
-    interruptions: int = 0
-    input_samples: int = 0
-    dtmf_digits: int = 0
-
-
-class SessionObserver:
-    """Hooks for metrics; the server installs one, tests may ignore it."""
-
-    def window_timing(self, timing: WindowTiming) -> None: ...
-    def interruption(self, handling_s: float, since_speech_s: float | None) -> None: ...
-    def stale_chunk(self) -> None: ...
-    def first_audio(self, seconds: float) -> None: ...
 
 
 class DuplexSession:
@@ -112,8 +77,6 @@ class DuplexSession:
         self.origin = dict(origin) if origin else None
         self.created_at = clock()
         self.counters = SessionCounters()
-        self.ledger = ResponseLedger()
-        self.active_response: str | None = None
         self.window_clock = WindowClock(caps.window_samples, caps.input_rate, settings.window_grace_ms / 1000.0)
         self.uplink = WindowInput(self.window_clock, self._push_window, clock)
         self.closed = False
@@ -122,9 +85,9 @@ class DuplexSession:
         self._close_task: asyncio.Task | None = None
         # Every event, once: the native channel writes it as it is, translators listen to it.
         self.events = EventStream(session_id, settings.event_buffer, settings.resume_journal_events)
+        self.responses = Responses(self.emit, clock, self.observer)
         self.suspended = False  # the media path is gone; the session waits for a resume
         self._tasks: list[asyncio.Task] = []
-        self._first_audio_ms: float | None = None  # reported with the next metrics event
         self._deferred_listen: tuple[str, dict[str, float] | None] | None = None
         self._message_rate = MessageRate(clock())
 
@@ -152,8 +115,8 @@ class DuplexSession:
         self.closed = True
         self.close_reason = reason
         self.state = "closed"
-        if self.active_response is not None:
-            self._finish_response(self.active_response, "cancelled", reason)
+        if self.responses.active is not None:
+            self.responses.finish(self.responses.active, "cancelled", reason)
         self.emit("session.closed", reason=reason)
         for task in self._tasks:
             if task is not asyncio.current_task():
@@ -200,7 +163,7 @@ class DuplexSession:
             "state": self.state,
             "epoch": self.epoch,
             "engine": self.engine_name,
-            "active_response": self.active_response,
+            "active_response": self.responses.active,
             "age_s": round(self.clock() - self.created_at, 3),
             "counters": {
                 **asdict(self.counters),
@@ -209,7 +172,7 @@ class DuplexSession:
                 "engine_windows_in": slot.windows_in,
                 "engine_windows_stepped": slot.windows_stepped,
                 "engine_windows_dropped": slot.windows_dropped,
-                "responses": self.ledger.total,
+                "responses": self.responses.ledger.total,
                 "playout_depth_ms": round(self.sink.depth_ms, 1),
             },
         }
@@ -223,7 +186,7 @@ class DuplexSession:
             return
         self.suspended = True
         self.events.detach()
-        if self.active_response is not None:
+        if self.responses.active is not None:
             self.interrupt("connection_lost")
 
     def rebind_sink(self, sink: AudioSink) -> None:
@@ -272,17 +235,18 @@ class DuplexSession:
         if source is not None:
             fields["source"] = source
         self.emit("input_audio_buffer.dtmf_event_received", **fields)
-        if self.active_response is not None:
+        if self.responses.active is not None:
             self.interrupt("dtmf")
         self.slot.control(Control(ControlKind.DTMF, self.epoch, digit=digit.upper()))
 
     # --- events out ----------------------------------------------------------------------------------
 
     def emit(self, event_type: str, **fields: Any) -> dict[str, Any]:
+        """Every event of the session, once: stamped, journaled and handed to every dialect."""
         return self.events.emit(event_type, **fields)
 
     def report_error(self, err: ProtocolError) -> None:
-        """A client's message was refused: counted, and said on the session's event stream."""
+        """Tell the clients of an error (a refused message, the engine's): counted as ``bad_messages``."""
         self.counters.bad_messages += 1
         self.emit("error", error=error_body(err))
 
@@ -305,22 +269,22 @@ class DuplexSession:
         if self.closed:
             return
         self.counters.messages_in += 1
-        self.report_error(ProtocolError("message_too_large",
-                                        f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
+        self.report_error(ProtocolError(
+            "message_too_large", f"message of more than {size} bytes exceeds {MAX_MESSAGE_BYTES}; it was dropped"))
 
     # --- typed controls (every dialect ends here) ----------------------------------------------------
 
     def cancel_response(self, response_id: str | None = None, event_id: str | None = None) -> None:
-        if self.active_response is None:
+        if self.responses.active is None:
             raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel", event_id)
-        if response_id is not None and response_id != self.active_response:
+        if response_id is not None and response_id != self.responses.active:
             raise ProtocolError("response_not_found",
                                 f"response {response_id!r} is not the response in progress", event_id)
         self.interrupt("client_cancel")
 
     def clear_output_audio(self) -> bool:
         """Cut what the client is hearing (the response in progress, if any); True if one was cut."""
-        if self.active_response is None:
+        if self.responses.active is None:
             return False
         return self.interrupt("client_cancel")
 
@@ -339,7 +303,7 @@ class DuplexSession:
 
     def ack_playback(self, response_id: str, played_ms: float, event_id: str | None = None) -> None:
         """The client says how much of a response it played (kept in the response ledger)."""
-        record = self.ledger.get(response_id)
+        record = self.responses.ledger.get(response_id)
         if record is None:
             raise ProtocolError("response_not_found", f"unknown response {response_id!r}", event_id)
         record.client_played_ms = float(played_ms)
@@ -366,7 +330,7 @@ class DuplexSession:
         if "instructions" in changes and changes["instructions"] != self.options.instructions:
             if not self.capabilities.instructions:
                 effect = "unused"
-            elif self.ledger.total == 0:
+            elif self.responses.ledger.total == 0:
                 effect = "applied"
             else:
                 effect = "next_context_reset"
@@ -399,51 +363,13 @@ class DuplexSession:
         report = self.sink.cut(self.epoch)
         self.slot.control(Control(ControlKind.CANCEL, self.epoch))
         self.counters.interruptions += 1
-        response_id = self.active_response or report.response_id
-        record = self.ledger.get(response_id)
-        cut = record is not None and record.status == "in_progress"
-        if cut:
-            if report.response_id == response_id:
-                record.played_samples, record.rate = report.played_samples, report.rate
-            rate = report.rate
-            self.emit(
-                "output_audio_buffer.cleared",
-                epoch=old_epoch,
-                response_id=response_id,
-                new_epoch=self.epoch,
-                sample_offset=report.sample_offset,
-                sample_rate=rate,
-                audio_ms=1000.0 * report.sample_offset / rate,
-                played_ms=record.played_ms,
-                discarded_ms=1000.0 * report.discarded_samples / rate,
-            )
-            self._finish_response(response_id, "cancelled", reason)
+        cut = self.responses.cut(report, old_epoch, self.epoch, reason)
         onset = self.window_clock.time_of(speech_sample) if speech_sample is not None else None
         self.observer.interruption(time.perf_counter() - started,
                                    None if onset is None else max(0.0, self.clock() - onset))
         self._deferred_listen = None
         self._set_state("held" if self.held else "listening", reason)
         return cut
-
-    def _finish_response(self, response_id: str, status: str, reason: str) -> None:
-        record = self.ledger.get(response_id)
-        if record is None or record.status != "in_progress":
-            return
-        record.status, record.reason = status, reason
-        if self.active_response == response_id:
-            self.active_response = None
-        self.emit(
-            "response.done",
-            epoch=record.epoch,
-            response_id=response_id,
-            response={
-                "id": response_id,
-                "epoch": record.epoch,
-                "status": status,
-                "status_details": {"reason": reason} if reason else None,
-                "played_ms": record.played_ms,
-            },
-        )
 
     def _set_state(self, state: str, reason: str, probabilities: dict[str, float] | None = None) -> None:
         self.state = state
@@ -455,25 +381,15 @@ class DuplexSession:
     # --- playout marks (from the sink) -------------------------------------------------------------
 
     def on_playout_started(self, epoch: int, response_id: str, sample_offset: int, rate: int) -> None:
-        record = self.ledger.get(response_id)
-        if record is None or epoch != self.epoch:
-            return
-        record.audible, record.rate = True, rate
-        self.emit("output_audio_buffer.started", epoch=epoch, response_id=response_id,
-                  sample_offset=sample_offset, sample_rate=rate, audio_ms=1000.0 * sample_offset / rate)
+        if epoch == self.epoch:
+            self.responses.playout_started(epoch, response_id, sample_offset, rate)
 
     def on_playout_finished(self, epoch: int, response_id: str, played_samples: int, sample_offset: int,
                             rate: int) -> None:
-        record = self.ledger.get(response_id)
-        if record is None or epoch != self.epoch or record.status != "in_progress":
+        if epoch != self.epoch or not self.responses.playout_finished(epoch, response_id, played_samples,
+                                                                      sample_offset, rate):
             return
-        record.played_samples, record.rate = played_samples, rate
-        if record.audible:
-            self.emit("output_audio_buffer.stopped", epoch=epoch, response_id=response_id,
-                      sample_offset=sample_offset, sample_rate=rate, audio_ms=1000.0 * sample_offset / rate,
-                      played_ms=record.played_ms)
-        self._finish_response(response_id, record.final_status, record.reason)
-        if self._deferred_listen is not None and self.active_response is None:
+        if self._deferred_listen is not None and self.responses.active is None:
             reason, probabilities = self._deferred_listen
             self._deferred_listen = None
             self._set_state("held" if self.held else "listening", reason, probabilities)
@@ -498,21 +414,12 @@ class DuplexSession:
                 self.observer.stale_chunk()
             return
         if isinstance(ev, AudioChunk):
-            record = self.ledger.get(ev.response_id)
-            if record is not None and record.first_audio_at is None:
-                record.first_audio_at = self.clock()
-                self._first_audio_ms = 1000.0 * (record.first_audio_at - record.created_at)
-                self.observer.first_audio(record.first_audio_at - record.created_at)
+            self.responses.audio_arrived(ev.response_id)
             if not self.sink.write(ev.epoch, ev.response_id, ev.pcm):
                 self.counters.stale_audio_chunks += 1
                 self.observer.stale_chunk()
         elif isinstance(ev, ResponseStarted):
-            if self.active_response is not None:  # the engine moved on without closing the last one
-                self._finish_response(self.active_response, "incomplete", "superseded")
-            self.ledger.add(ResponseRecord(ev.response_id, ev.epoch, created_at=self.clock()))
-            self.active_response = ev.response_id
-            self.emit("response.created", epoch=ev.epoch, response_id=ev.response_id,
-                      response={"id": ev.response_id, "epoch": ev.epoch, "status": "in_progress"})
+            self.responses.start(ev.response_id, ev.epoch)
         elif isinstance(ev, TextDelta):
             self.emit("response.output_audio_transcript.delta", epoch=ev.epoch, response_id=ev.response_id,
                       delta=ev.text, token_ids=list(ev.token_ids))
@@ -521,20 +428,16 @@ class DuplexSession:
                       codes=list(ev.codes), vocoder=False,
                       note="this engine runs without a vocoder: speech codes only, no audio is sent")
         elif isinstance(ev, ResponseDone):
-            record = self.ledger.get(ev.response_id)
-            if record is None or record.status != "in_progress":
-                return
-            record.generation_done = True
-            record.final_status, record.reason = ev.status, ev.reason
             # The response is done for the client when its last sample has played (sink reports it).
-            self.sink.end_response(ev.epoch, ev.response_id)
+            if self.responses.generation_done(ev.response_id, ev.status, ev.reason):
+                self.sink.end_response(ev.epoch, ev.response_id)
         elif isinstance(ev, BargeIn):
-            if ev.response_id == self.active_response:
+            if ev.response_id == self.responses.active:
                 self.interrupt(ev.reason)
         elif isinstance(ev, TurnState):
             if self.held:
                 return
-            if ev.state == "listening" and self.active_response is not None:
+            if ev.state == "listening" and self.responses.active is not None:
                 # The engine is done generating but its audio is still playing: the client hears the
                 # agent speak until the last sample, so "listening" waits for the playout to end.
                 self._deferred_listen = (ev.reason, ev.probabilities)
@@ -544,7 +447,7 @@ class DuplexSession:
         elif isinstance(ev, SpeechStarted):
             self.emit("input_audio_buffer.speech_started", epoch=self.epoch,
                       audio_start_ms=1000.0 * ev.sample / self.capabilities.input_rate)
-            if self.settings.vad_barge_in and self.active_response is not None:
+            if self.settings.vad_barge_in and self.responses.active is not None:
                 self.interrupt("barge_in", speech_sample=ev.sample)
         elif isinstance(ev, SpeechStopped):
             self.emit("input_audio_buffer.speech_stopped", epoch=self.epoch,
@@ -553,9 +456,9 @@ class DuplexSession:
             self.observer.window_timing(ev)
             if self.metrics_enabled:
                 extra = {}
-                if self._first_audio_ms is not None:
-                    extra["time_to_first_audio_ms"] = round(self._first_audio_ms, 3)
-                    self._first_audio_ms = None
+                if self.responses.first_audio_ms is not None:
+                    extra["time_to_first_audio_ms"] = round(self.responses.first_audio_ms, 3)
+                    self.responses.first_audio_ms = None
                 self.emit("metrics", window_seq=ev.window_seq, queue_wait_ms=round(ev.queue_wait_ms, 3),
                           step_ms=round(ev.step_ms, 3), vocoder_ms=round(ev.vocoder_ms, 3),
                           batch_size=ev.batch_size,

@@ -1,9 +1,10 @@
 """The OpenAI Realtime GA dialect: the ``oai-events`` channel and the sideband WebSocket.
 
 A translator is one consumer of one call, an ``EventDialect`` (``session/dialect.py``) like the
-native one. It listens to the session's own event stream and writes the GA events a client written for OpenAI expects (string ``event_id`` on every event, GA session,
-response and item objects); it reads GA client events and turns them into the session's typed
-controls. It keeps only what the GA shapes need beyond the session's events (item ids, the
+native one. It listens to the session's own event stream and writes, through its
+``EventChannel``, the GA events a client written for OpenAI expects (string ``event_id`` on every
+event, GA session, response and item objects); it reads GA client events and turns them into the
+session's typed controls. It keeps only what the GA shapes need beyond the session's events (item ids, the
 transcript of the response in progress, a few recent items for ``conversation.item.retrieve``),
 all bounded. What maps to what is written down in signaling/events.schema.json (``oai.*``).
 """
