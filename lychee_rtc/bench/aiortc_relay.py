@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import aiohttp
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.contrib.media import MediaRelay
 
-from lychee_rtc.bench.server_process import _free_port
+from lychee_rtc.bench.server_process import free_port, spawned_http_process
 from lychee_rtc.resources import shared_path
 
 MAX_CALLS = 8
@@ -95,32 +91,10 @@ def create_app() -> web.Application:
 @asynccontextmanager
 async def spawned_relay() -> AsyncIterator[tuple[str, int]]:
     """The relay in a child process on a free port; yields (base_url, pid) once it answers."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lychee_rtc.bench.aiortc_relay", "--port", str(port)],
-                            env=dict(os.environ), stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        async with aiohttp.ClientSession() as http:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"aiortc relay exited with status {proc.returncode}")
-                try:
-                    async with http.get(f"{url}/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("aiortc relay did not answer within 60 s")
-                await asyncio.sleep(0.2)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    port = free_port()
+    argv = [sys.executable, "-m", "lychee_rtc.bench.aiortc_relay", "--port", str(port)]
+    async with spawned_http_process(argv, port, "aiortc relay") as running:
+        yield running
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 import aiohttp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -29,24 +29,17 @@ def cpu_seconds(pid: int) -> float:
 
 
 @asynccontextmanager
-async def spawned_server(config: str, env: dict[str, str] | None = None,
-                         ready_timeout_s: float = 60.0) -> AsyncIterator[tuple[str, int]]:
-    """Start ``lychee-rtc serve`` on a free port; yields (base_url, pid) once /readyz answers 200.
-
-    ``ready_timeout_s``: a model server loads weights and captures graphs before it is ready."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lychee_rtc.cli", "--log-level", "WARNING", "serve", "--config", config,
-         "--port", str(port)],
-        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
-    )
+async def spawned_http_process(argv: list[str], port: int, what: str, env: dict[str, str] | None = None,
+                               ready_timeout_s: float = 60.0) -> AsyncIterator[tuple[str, int]]:
+    """Run ``argv`` (an HTTP service listening on ``port``); yields (base_url, pid) once /readyz answers 200."""
+    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s
         async with aiohttp.ClientSession() as http:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with status {proc.returncode}")
+                    raise RuntimeError(f"{what} exited with status {proc.returncode}")
                 try:
                     async with http.get(f"{url}/readyz") as resp:
                         if resp.status == 200:
@@ -54,7 +47,7 @@ async def spawned_server(config: str, env: dict[str, str] | None = None,
                 except aiohttp.ClientError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not become ready within {ready_timeout_s:.0f} s")
+                    raise RuntimeError(f"{what} did not become ready within {ready_timeout_s:.0f} s")
                 await asyncio.sleep(0.2)
         yield url, proc.pid
     finally:
@@ -63,3 +56,16 @@ async def spawned_server(config: str, env: dict[str, str] | None = None,
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@asynccontextmanager
+async def spawned_server(config: str, env: dict[str, str] | None = None,
+                         ready_timeout_s: float = 60.0) -> AsyncIterator[tuple[str, int]]:
+    """Start ``lychee-rtc serve`` on a free port; yields (base_url, pid) once /readyz answers 200.
+
+    ``ready_timeout_s``: a model server loads weights and captures graphs before it is ready."""
+    port = free_port()
+    argv = [sys.executable, "-m", "lychee_rtc.cli", "--log-level", "WARNING", "serve", "--config", config,
+            "--port", str(port)]
+    async with spawned_http_process(argv, port, "server", env, ready_timeout_s) as running:
+        yield running
