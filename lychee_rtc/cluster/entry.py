@@ -51,17 +51,9 @@ def _body_limit(settings: Settings) -> int:
 
 
 async def _read(request: web.Request) -> bytes:
-    """The request body as the client sent it, bounded (a client that hangs up mid-body is one log line)."""
+    """The request body as the client sent it, bounded: one too large is refused by the HTTP edge's
+    ``BodyError`` answer, and a client that hangs up mid-body is one log line."""
     return await http.read_body(request, _body_limit(request.app[SETTINGS_KEY]))
-
-
-@web.middleware
-async def refused_bodies(request: web.Request, handler: http.Handler) -> web.StreamResponse:
-    """A body ``_read`` refused (too large) answers as it would at a single server."""
-    try:
-        return await handler(request)
-    except http.BodyError as exc:
-        return exc.response()
 
 
 def _admin(request: web.Request) -> web.Response | None:
@@ -372,7 +364,7 @@ async def worker_metrics(request: web.Request) -> web.Response:
 
 def create_entry_app(settings: Settings) -> web.Application:
     origins = settings.server.cors_origins  # forwarded answers keep the worker's CORS headers
-    app = web.Application(middlewares=[http.edge_middleware(lambda request: origins), refused_bodies],
+    app = web.Application(middlewares=[http.edge_middleware(lambda request: origins)],
                           client_max_size=_body_limit(settings))
     app[SETTINGS_KEY] = settings
     app[FLEET_KEY] = Fleet(settings)

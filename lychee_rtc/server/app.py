@@ -95,10 +95,7 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 
 @auth.policy(Policy.SESSION)  # a new session needs the server key, a resume the session's token
 async def offer(request: web.Request) -> web.Response:
-    try:
-        text = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
-    except http.BodyError as exc:
-        return exc.response()
+    text = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
     try:
         body = strict_json_loads(text)
     except JsonError as exc:
@@ -121,7 +118,8 @@ async def offer(request: web.Request) -> web.Response:
         errors = list(validator("session_config").iter_errors(raw_session))
         if errors:
             where = "/".join(str(p) for p in errors[0].path)
-            return http.error_response(400, "invalid_session", f"session{'/' + where if where else ''}: {errors[0].message}")
+            return http.error_response(400, "invalid_session",
+                                       f"session{'/' + where if where else ''}: {errors[0].message}")
     options, metrics = _session_options(raw_session)
     voices = request.app[ENGINE_KEY].capabilities.voices
     if options.voice is not None and options.voice not in voices:
@@ -134,7 +132,7 @@ async def offer(request: web.Request) -> web.Response:
     except SdpError as exc:
         return http.sdp_refused(exc)
     return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
-                           "session_id": call.session.id, "session_token": call.token})
+                               "session_id": call.session.id, "session_token": call.token})
 
 
 async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
@@ -143,9 +141,11 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
     errors = list(validator("resume").iter_errors(resume))
     if errors:
         where = "/".join(str(p) for p in errors[0].path)
-        return http.error_response(400, "invalid_resume", f"resume{'/' + where if where else ''}: {errors[0].message}")
+        return http.error_response(400, "invalid_resume",
+                                   f"resume{'/' + where if where else ''}: {errors[0].message}")
     if "session" in body:
-        return http.error_response(400, "invalid_request", "a resumed session keeps its options: send no 'session' object")
+        return http.error_response(400, "invalid_request",
+                                   "a resumed session keeps its options: send no 'session' object")
     try:
         call = await request.app[RTC_KEY].resume(resume["session_id"], resume["session_token"], body["sdp"],
                                                  resume.get("last_seq", 0))
@@ -156,7 +156,7 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
     except SdpError as exc:
         return http.sdp_refused(exc)
     return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
-                           "session_id": call.session.id, "session_token": call.token})
+                               "session_id": call.session.id, "session_token": call.token})
 
 
 async def whip_post(request: web.Request) -> web.Response:
@@ -165,8 +165,6 @@ async def whip_post(request: web.Request) -> web.Response:
     try:
         sdp = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes, "the SDP offer")
         call = await request.app[RTC_KEY].create(sdp, whip=True)
-    except http.BodyError as exc:
-        return exc.response()
     except ServerFull as exc:
         return http.server_full(exc)
     except SdpError as exc:
@@ -206,15 +204,14 @@ async def whip_patch(request: web.Request) -> web.Response:
         return call
     if request.content_type != http.WHIP_PATCH_TYPE:
         return http.error_response(415, "unsupported_media_type", f"PATCH bodies must be {http.WHIP_PATCH_TYPE}",
-                      headers={"Accept-Patch": http.WHIP_PATCH_TYPE})
+                                   headers={"Accept-Patch": http.WHIP_PATCH_TYPE})
     if_match = request.headers.get("If-Match")
     if if_match is not None and if_match not in ("*", call.etag):
         return http.error_response(412, "etag_mismatch", "If-Match does not match the session's ICE entity tag")
     try:
-        fragment = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes, "the SDP fragment")
+        fragment = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes,
+                                        "the SDP fragment")
         await add_remote_candidates(call.pc, fragment)
-    except http.BodyError as exc:
-        return exc.response()
     except SdpError as exc:
         return http.sdp_refused(exc)
     return web.Response(status=204, headers=_whip_headers(call))
@@ -267,7 +264,7 @@ async def readyz(request: web.Request) -> web.Response:
         return http.json_response({"status": "starting", **body}, status=503)
     if registry.free <= 0:
         return http.json_response({"status": "full", **body}, status=503,
-                                 headers={"Retry-After": str(request.app[SETTINGS_KEY].session.retry_after_s)})
+                                  headers={"Retry-After": str(request.app[SETTINGS_KEY].session.retry_after_s)})
     return http.json_response({"status": "ready", **body})
 
 

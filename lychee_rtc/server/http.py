@@ -151,7 +151,8 @@ def add_cors_headers(request: web.Request, response: web.StreamResponse, allow: 
 
 def edge_middleware(origins_of: Callable[[web.Request], Iterable[str]],
                     guard: Callable[[web.Request], web.StreamResponse | None] | None = None):
-    """Preflights, CORS, aiohttp's plain-text errors as JSON bodies, and clients that hang up mid-body.
+    """Preflights, CORS, refused bodies and aiohttp's plain-text errors as JSON bodies, and clients that
+    hang up mid-body.
 
     ``guard`` runs before the handler (authentication); a response from it is the answer.
     """
@@ -175,6 +176,8 @@ def edge_middleware(origins_of: Callable[[web.Request], Iterable[str]],
 async def _handle(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except BodyError as exc:  # a route that needs more in its error body (OpenAI's param) catches it first
+        return exc.response()
     except ClientGone as exc:
         # Nobody is left to read an answer: one line, no traceback, 499 in the access log.
         log.info("%s %s: the client closed the connection while sending %s", request.method, request.path, exc)

@@ -103,8 +103,8 @@ async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str
     if request.content_type == "application/sdp":
         return await http.read_text(request, max_sdp, "the SDP offer"), None
     if request.content_type != "multipart/form-data":
-        raise http.BodyError(415, "unsupported_media_type", "send the offer as application/sdp or multipart/form-data "
-                        "with parts 'sdp' and 'session'")
+        raise http.BodyError(415, "unsupported_media_type",
+                             "send the offer as application/sdp or multipart/form-data with parts 'sdp' and 'session'")
     reader = await request.multipart()
     sdp: str | None = None
     session: dict[str, Any] | None = None
