@@ -22,15 +22,15 @@ import pytest
 from conftest import PATIENT_WINDOWS, running_server
 from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
+from lychee_rtc.bench.browser import CHROMIUM, CHROMIUM_FLAGS
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.rtc.consent import ice_connections
 from lychee_rtc.pcm import write_wav
+from lychee_rtc.rtc.consent import ice_connections
 from lychee_rtc.server.app import REGISTRY_KEY
 
 # Headless Chromium starts for each test and plays seconds of speech in real time.
 pytestmark = pytest.mark.timeout(600)
 
-CHROMIUM = "/usr/bin/chromium"
 RATE = 48000
 # A level the echoed speech is far above and the server's silence frames far below.
 SPEECH_RMS = 0.01
@@ -45,17 +45,7 @@ def write_mic_wav(path: Path, speech: np.ndarray) -> Path:
 async def chromium(tmp_path: Path, mic_wav: Path | None = None) -> AsyncIterator[BrowserContext]:
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is required for the browser test (Debian package 'chromium'; `make test` installs it)")
-    args = [
-        "--use-fake-device-for-media-stream",
-        "--use-fake-ui-for-media-stream",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ]
+    args = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream", *CHROMIUM_FLAGS]
     if mic_wav is not None:
         args.append(f"--use-file-for-fake-audio-capture={mic_wav}")
     profile = tmp_path / "chromium-profile"  # a new, empty --user-data-dir
