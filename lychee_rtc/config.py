@@ -98,6 +98,39 @@ class SessionSettings(_Section):
     retry_after_s: int = Field(5, ge=1)
 
 
+class AudioProcessing(_Section):
+    """The uplink's processing stages (WebRTC's audio processing module, ``media/audio_processing.py``)."""
+
+    echo_cancellation: bool = False
+    noise_suppression: bool = False
+    high_pass_filter: bool = False
+    auto_gain_control: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.echo_cancellation or self.noise_suppression or self.high_pass_filter or self.auto_gain_control
+
+
+# A loudspeaker near the microphone: what a phone on speaker, a desk unit or a kiosk sends. The echo
+# canceller adds 8 ms to mouth-to-ear, noise suppression another 6 ms (docs/benchmarks.md), so noise
+# suppression is asked for where the room needs it. Gain control stays off: it pumps the level
+# under the model's own loudness handling.
+_PHONE_LEG = {"echo_cancellation": True, "high_pass_filter": True}
+
+
+class AudioProcessingSettings(_Section):
+    """The processing each ingress starts with; a session may change its own (``session.update``)."""
+
+    # Browsers cancel their own loudspeaker's echo and suppress noise before they send.
+    webrtc: AudioProcessing = Field(default_factory=AudioProcessing)
+    whip: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))
+    sip: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))  # the SIP gateway's legs
+    carrier: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))  # media streams
+
+    def for_ingress(self, ingress: str) -> AudioProcessing:
+        return getattr(self, ingress)
+
+
 class EchoSettings(_Section):
     mode: Literal["echo", "loopback"] = "echo"
     vad_threshold: float = Field(0.5, gt=0, lt=1)
@@ -107,6 +140,9 @@ class EchoSettings(_Section):
     max_utterance_s: float = Field(15.0, gt=0, le=120)
     # Chunks sent with the first step of a response, so playout has slack against window jitter.
     prebuffer_chunks: int = Field(2, ge=1, le=10)
+    # Each answer plays the utterance this many times: a short question makes a long answer, for
+    # measuring what the agent hears of itself while it speaks (echo cancellation).
+    answer_repeats: int = Field(1, ge=1, le=100)
     loopback_window_ms: int = Field(20, ge=10, le=400)
 
 
@@ -243,6 +279,7 @@ class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     rtc: RtcSettings = Field(default_factory=RtcSettings)
     session: SessionSettings = Field(default_factory=SessionSettings)
+    audio_processing: AudioProcessingSettings = Field(default_factory=AudioProcessingSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)

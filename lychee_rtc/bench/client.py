@@ -13,7 +13,7 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import av
@@ -162,6 +162,7 @@ class RtcClient:
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.mic = MicrophoneTrack()
         self.received = ReceivedAudio()
+        self.on_audio: list[Callable[[np.ndarray], None]] = []  # told of each downlink frame as it arrives
         self.events: list[dict[str, Any]] = []
         self.event_times: list[float] = []
         self.session_id: str | None = None
@@ -230,6 +231,8 @@ class RtcClient:
                 pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in resampler.resample(frame)] or
                                      [np.zeros(0, np.float32)])
                 self.received.chunks.append((offset, pcm.astype(np.float32), arrival))
+                for listener in self.on_audio:
+                    listener(pcm)
         finally:
             resampler.close()
 

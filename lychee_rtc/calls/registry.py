@@ -19,9 +19,12 @@ from typing import Any, AsyncIterator, Callable
 
 from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.metrics import CallMetrics
-from lychee_rtc.config import Settings
+from lychee_rtc.config import AudioProcessing, Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine, EngineSlot
+from lychee_rtc.media.audio_processing import SUPPORTED_RATES, AudioProcessingStage
+from lychee_rtc.media.epoch_sink import EpochSink
+from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.session import DuplexSession
 from lychee_rtc.session.sink import AudioSink
 
@@ -45,6 +48,7 @@ class CallRegistry:
         self.id_prefix = ""
         # Told of every call that leaves the registry, however it left (a transport forgets its own maps).
         self.on_removed: list[Callable[[Call], None]] = []
+        self._warned_processing = False  # the optional processing library is missing: said once
 
     @property
     def capacity(self) -> int:
@@ -82,11 +86,37 @@ class CallRegistry:
             self._reserved -= 1
 
     def new_session(self, slot: EngineSlot, sink: AudioSink, options: SessionOptions,
-                    metrics: bool = False, origin: dict[str, Any] | None = None) -> DuplexSession:
+                    metrics: bool = False, origin: dict[str, Any] | None = None,
+                    ingress: str = "webrtc", processing: dict[str, bool] | None = None) -> DuplexSession:
+        """``ingress``: ``webrtc`` (a browser's offer), ``whip``, ``sip`` (the gateway) or ``carrier``;
+        it picks the uplink processing the session starts with (``audio_processing`` settings), and
+        ``processing`` changes it (ProcessingUnavailable if it asks for a stage that cannot run)."""
         caps = self.engine.capabilities
+        stage = self._processing(ingress, processing or {})
+        if stage is not None and isinstance(sink, EpochSink):
+            sink.reference = stage  # the transport tells it what the caller's loudspeaker played
         return DuplexSession(f"sess_{self.id_prefix}{secrets.token_hex(8)}", self.settings.session, slot, sink,
                              engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
-                             origin=origin)
+                             origin=origin, processing=stage)
+
+    def _processing(self, ingress: str, changes: dict[str, bool]) -> AudioProcessingStage | None:
+        rate = self.engine.capabilities.input_rate
+        if rate not in SUPPORTED_RATES:
+            if any(changes.values()):
+                raise ProcessingUnavailable(f"the engine's input rate {rate} Hz has no audio processing")
+            return None
+        wanted = AudioProcessing(**{**self.settings.audio_processing.for_ingress(ingress).model_dump(), **changes})
+        try:
+            return AudioProcessingStage(rate, wanted, time.monotonic())
+        except ProcessingUnavailable as exc:
+            if any(changes.values()):
+                raise  # asked for by this call, not only by the profile's default
+            if not self._warned_processing:
+                self._warned_processing = True
+                log.warning("%s calls start without echo cancellation and noise suppression: %s", ingress, exc)
+            stage = AudioProcessingStage(rate, AudioProcessing(), time.monotonic())
+            stage.unavailable = str(exc)
+            return stage
 
     def register(self, call: Call) -> None:
         """Count the call, start its session and its watchdog; closing the session tears it down."""

@@ -51,6 +51,8 @@ class _Response:
     epoch: int  # every chunk of a response carries the epoch it started in
     chunks: deque[np.ndarray]
     seq: int = 0
+    replays: list[np.ndarray] = field(default_factory=list)  # the answer's chunks, to play again
+    replays_left: int = 0
 
 
 @dataclass
@@ -204,7 +206,8 @@ class EchoBackend:
         resampler = PcmResampler(INPUT_RATE, OUTPUT_RATE)
         pcm = np.concatenate([resampler.process(audio), resampler.flush()])
         chunks = deque(pcm[i:i + OUTPUT_CHUNK] for i in range(0, len(pcm), OUTPUT_CHUNK))
-        s.response = _Response(new_response_id(), s.epoch, chunks)
+        s.response = _Response(new_response_id(), s.epoch, chunks, replays=list(chunks),
+                               replays_left=self.settings.answer_repeats - 1)
         events: list[EngineEvent] = [
             ResponseStarted(s.epoch, s.response.response_id),
             TurnState(s.epoch, "speaking", "end_of_utterance"),
@@ -217,11 +220,14 @@ class EchoBackend:
             return []
         events: list[EngineEvent] = []
         for _ in range(self.settings.prebuffer_chunks if first else 1):
+            if not r.chunks and r.replays_left and r.replays:
+                r.replays_left -= 1
+                r.chunks.extend(r.replays)
             if not r.chunks:
                 break
             events.append(AudioChunk(r.epoch, r.response_id, r.seq, r.chunks.popleft()))
             r.seq += 1
-        if not r.chunks and not first:
+        if not r.chunks and not (r.replays_left and r.replays) and not first:
             events.append(ResponseDone(r.epoch, r.response_id, "completed", "end_of_audio"))
             events.append(TurnState(s.epoch, "listening", "response_done"))
             s.response = None

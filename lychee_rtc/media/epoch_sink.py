@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lychee_rtc.media.audio_processing import AudioProcessingStage
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
 from lychee_rtc.session.sink import CutReport
 
@@ -34,6 +35,13 @@ class EpochSink:
         self.playout = playout
         self.counters = counters
         self._audio_arrived = asyncio.Event()  # set on every accepted write: the sender may go on
+        # The session's uplink processing: told what left for the caller, as it leaves (its echo reference).
+        self.reference: AudioProcessingStage | None = None
+
+    def played(self, pcm: np.ndarray, at: float) -> None:
+        """``pcm`` (at the transport's rate) left for the caller at ``at``."""
+        if self.reference is not None:
+            self.reference.far_end(pcm, self.playout.out_rate, at)
 
     @property
     def listener(self) -> PlayoutListener | None:

@@ -76,21 +76,26 @@ class RtcNegotiator:
     # --- offer / answer ----------------------------------------------------------------------------
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
-                     metrics: bool = False, origin: dict[str, Any] | None = None) -> RtcCall:
-        """``origin``: where the call came from when a connector places it (a SIP gateway's caller)."""
+                     metrics: bool = False, origin: dict[str, Any] | None = None,
+                     processing: dict[str, bool] | None = None) -> RtcCall:
+        """``origin``: where the call came from when a connector places it (a SIP gateway's caller);
+        ``processing``: uplink processing asked for on top of the ingress's defaults (``audio_processing``)."""
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
-            call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin)
+            call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin,
+                                       processing)
         if self.registry.closing:  # shutdown began while this offer was being answered
             await self.registry.close(call.session.id, "server_shutdown")
             raise ServerFull(self.settings.session.retry_after_s)
         return call
 
     async def _connect(self, slot: EngineSlot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool,
-                       origin: dict[str, Any] | None) -> RtcCall:
+                       origin: dict[str, Any] | None, processing: dict[str, bool] | None) -> RtcCall:
         track = self._new_track()
-        session = self.registry.new_session(slot, track, options, metrics, origin)
+        ingress = "sip" if origin is not None else "whip" if whip else "webrtc"
+        session = self.registry.new_session(slot, track, options, metrics, origin, ingress=ingress,
+                                            processing=processing)
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
                        whip_resource=new_whip_resource(self.registry.id_prefix) if whip else None,
                        token=new_session_token() if origin is None else None)
@@ -168,6 +173,7 @@ class RtcNegotiator:
             call.pc, call.track = RTCPeerConnection(self.rtc_configuration()), self._new_track()
             call.has_audio, call.connected_at, call.transport_failure = False, None, None
             await self._negotiate(call, offer_sdp)  # on failure the session stays suspended
+            call.track.reference = call.session.processing  # the new track feeds the echo reference
             call.session.rebind_sink(call.track)
             call.resume_from = max(0, int(last_seq))
             call.suspended_at = None

@@ -29,6 +29,7 @@ from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
 from lychee_rtc.server.openai.session_config import RealtimeProfile
+from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
 from lychee_rtc.session.dialect import DialectMap
 from lychee_rtc.session.native import EVENTS_LABEL, NativeDialect
@@ -125,10 +126,13 @@ async def offer(request: web.Request) -> web.Response:
     if options.voice is not None and options.voice not in voices:
         choice = f"one of {list(voices)}" if voices else "not selectable with this engine"
         return http.error_response(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
+    processing = (raw_session or {}).get("audio_processing")
     try:
-        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics)
+        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics, processing=processing)
     except ServerFull as exc:
         return http.server_full(exc)
+    except ProcessingUnavailable as exc:
+        return http.error_response(400, "audio_processing_unavailable", f"session/audio_processing: {exc}")
     except SdpError as exc:
         return http.sdp_refused(exc)
     return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",

@@ -152,7 +152,7 @@ class TelephonyEndpoint:
         caps = self.registry.engine.capabilities
         options = SessionOptions()
         async with self.registry.admission(options) as slot:
-            call = CarrierCall.create(lambda sink: self.registry.new_session(slot, sink, options), dialect, started,
+            call = CarrierCall.create(lambda sink: self.registry.new_session(slot, sink, options, ingress="carrier"), dialect, started,
                                       self.settings.telephony, caps.output_rate, self.settings.session.playout_max_s,
                                       live=caps.live_passthrough)
             self._calls[call.session.id] = call

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from lychee_rtc.config import SessionSettings
+from lychee_rtc.config import AudioProcessing, SessionSettings
 from lychee_rtc.engine.base import (AudioChunk, BargeIn, CodecTokens, Control, ControlKind, DTMF_DIGITS,
                                     EngineError, EngineEvent, ResponseDone, ResponseStarted, SessionOptions,
                                     SpeechStarted, SpeechStopped, TextDelta, TurnState, WindowTiming)
@@ -28,6 +28,7 @@ from lychee_rtc.session.clock import Window, WindowClock
 from lychee_rtc.session.event_stream import EventChannel, EventStream
 from lychee_rtc.session.message_rate import MessageRate
 from lychee_rtc.session.observer import SessionCounters, SessionObserver
+from lychee_rtc.session.processing import ProcessingUnavailable, UplinkProcessing
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError, error_body
 from lychee_rtc.session.responses import Responses
 from lychee_rtc.session.sink import AudioSink
@@ -57,6 +58,7 @@ class DuplexSession:
         options: SessionOptions | None = None,
         metrics_enabled: bool = False,
         origin: dict[str, Any] | None = None,
+        processing: UplinkProcessing | None = None,
     ) -> None:
         caps = slot.capabilities
         self.id = session_id
@@ -75,6 +77,9 @@ class DuplexSession:
         # Where the call came from when a connector placed it (a phone call through the SIP
         # gateway: caller, SIP Call-ID); shown in the session's info and its session.created event.
         self.origin = dict(origin) if origin else None
+        # The uplink's cleaning stage (echo cancellation, noise suppression), fed by the transport
+        # with what it played; None where the engine's rate has no such stage.
+        self.processing = processing
         self.created_at = clock()
         self.counters = SessionCounters()
         self.window_clock = WindowClock(caps.window_samples, caps.input_rate, settings.window_grace_ms / 1000.0)
@@ -125,6 +130,8 @@ class DuplexSession:
                                                                   name=f"session-{self.id}-close")
 
     async def _finish_close(self, reason: str) -> None:
+        if self.processing is not None:
+            self.processing.close()
         try:
             await self.slot.close()
         except Exception:  # the transport must still be torn down, or the call would linger
@@ -151,6 +158,7 @@ class DuplexSession:
             "output_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.output_rate},
             "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
             **({"origin": self.origin} if self.origin else {}),
+            **({"audio_processing": self.processing.describe()} if self.processing is not None else {}),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -211,11 +219,21 @@ class DuplexSession:
         if self.closed:
             return
         self.counters.input_samples += len(samples)
+        if self.processing is not None:
+            now = self.clock() if now is None else now
+            samples = self.processing.process(samples, now)
         self.uplink.audio(samples, now)
 
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
-        if not self.closed:
-            self.uplink.gap(n, now, fill)
+        if self.closed:
+            return
+        if self.processing is not None and n > 0:
+            now = self.clock() if now is None else now
+            concealed = np.zeros(n, np.float32) if fill is None else np.pad(fill, (0, max(0, n - len(fill))))[:n]
+            held, fill = self.processing.process_gap(concealed, now)
+            if len(held):
+                self.uplink.audio(held, now)
+        self.uplink.gap(n, now, fill)
 
     def _push_window(self, window: Window) -> None:
         self.slot.push(window.samples, window.seq, self.epoch)
@@ -325,6 +343,8 @@ class DuplexSession:
             raise ProtocolError("invalid_voice", f"voice {voice!r} is not one of {list(voices)}", event_id)
         if voice is not None and not voices:
             raise ProtocolError("invalid_voice", f"engine {self.engine_name!r} has no selectable voices", event_id)
+        if "audio_processing" in fields:  # first: refused, it changes nothing else either
+            self._configure_processing(fields["audio_processing"], event_id)
         effect: InstructionsEffect = "unchanged"
         changes = {k: fields[k] for k in ("voice", "temperature", "seed", "instructions") if k in fields}
         if "instructions" in changes and changes["instructions"] != self.options.instructions:
@@ -347,6 +367,18 @@ class DuplexSession:
         self.slot.control(Control(ControlKind.UPDATE, self.epoch, self.options))
         self.emit("session.updated", session=self.describe(), instructions_effect=effect)
         return effect
+
+    def _configure_processing(self, changes: dict[str, bool], event_id: str | None) -> None:
+        if self.processing is None:
+            raise ProtocolError("audio_processing_unavailable",
+                                f"engine {self.engine_name!r} has no uplink processing at its rate", event_id)
+        wanted = AudioProcessing(**{**self.processing.settings.model_dump(), **changes})
+        try:
+            held = self.processing.configure(wanted)
+        except ProcessingUnavailable as exc:
+            raise ProtocolError("audio_processing_unavailable", str(exc), event_id) from None
+        if len(held):
+            self.uplink.audio(held)
 
     # --- interruption ------------------------------------------------------------------------------
 

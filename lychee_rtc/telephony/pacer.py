@@ -99,6 +99,8 @@ class CarrierPacer(EpochSink):
     def cut(self, new_epoch: int) -> CutReport:
         """Drop the queue, take back unsent frames, flush the carrier; report what was heard."""
         report = super().cut(new_epoch)
+        if self.reference is not None and (self._sent_position > self._confirmed_position or self._pending):
+            self.reference.cut_far_end(self._clock())  # the carrier's flush drops what it had not played
         response_id = report.response_id or self._last_response
         played = self._heard(response_id)
         unconfirmed = self._sent_position - self._confirmed_position
@@ -206,6 +208,7 @@ class CarrierPacer(EpochSink):
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
         self._send(self.dialect.media(self.dialect.audio.encode(pcm)), epoch)
+        self.played(pcm, self._clock())
         self.counters.frames += 1
         self._sent_position = offset + self.frame_samples
         self._since_mark += self.frame_samples

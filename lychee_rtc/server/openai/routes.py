@@ -40,10 +40,13 @@ from lychee_rtc.server.openai.dialect import RealtimeTranslator
 from lychee_rtc.server.openai.session_config import (
     RealtimeProfile,
     merge_configs,
+    noise_reduction_of,
     read_session_config,
     render_session,
+    requested_processing,
     session_options,
 )
+from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
 
 CALLS_PATH = "/v1/realtime/calls"
@@ -151,13 +154,15 @@ async def create_call(request: web.Request) -> web.Response:
         return exc.response(param=None)
     config = merge_configs(secret.session if secret else {}, session_part or {})
     try:
-        options = session_options(read_session_config(config, surface.profile))
+        request_cfg = read_session_config(config, surface.profile)
     except ProtocolError as exc:
         return error(400, exc.code, exc.message, param="session")
     try:
-        call = await surface.rtc.create(sdp, options)
+        call = await surface.rtc.create(sdp, session_options(request_cfg), processing=requested_processing(request_cfg))
     except ServerFull as exc:
         return http.server_full(exc, param=None)
+    except ProcessingUnavailable as exc:
+        return error(400, "audio_processing_unavailable", str(exc), param="session.audio.input.noise_reduction")
     except SdpError as exc:
         return http.sdp_refused(exc, param="sdp")
     return web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
@@ -215,7 +220,8 @@ async def create_client_secret(request: web.Request) -> web.Response:
         return error(400, "invalid_value", str(exc), param="expires_after.seconds")
     options = session_options(request_cfg)
     effective = render_session(surface.profile, session_id=None, instructions=options.instructions,
-                               voice=options.voice, expires_at=None)
+                               voice=options.voice, expires_at=None,
+                               noise_reduction=noise_reduction_of(requested_processing(request_cfg)))
     return http.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective})
 
 

@@ -18,7 +18,16 @@ from lychee_rtc.session.protocol import ProtocolError, validator
 
 PCM_24K = {"type": "audio/pcm", "rate": 24000}
 # Fields read into options rather than compared (``expires_after`` belongs to a client secret request).
-HANDLED = {("type",), ("instructions",), ("audio", "output", "voice"), ("expires_after",)}
+HANDLED = {("type",), ("instructions",), ("audio", "output", "voice"), ("audio", "input", "noise_reduction"),
+           ("expires_after",)}
+# GA ``audio.input.noise_reduction`` as the uplink's processing stages (``audio_processing``): a
+# near-field microphone (headset, handset) has noise but no loudspeaker beside it; a far-field one
+# (laptop, speakerphone, room) hears the agent too. Gain control is left as it is.
+NOISE_REDUCTION = {
+    "near_field": {"echo_cancellation": False, "noise_suppression": True, "high_pass_filter": True},
+    "far_field": {"echo_cancellation": True, "noise_suppression": True, "high_pass_filter": True},
+    None: {"echo_cancellation": False, "noise_suppression": False, "high_pass_filter": False},
+}
 _MISSING = object()
 
 
@@ -49,8 +58,20 @@ def _turn_detection(settings: Settings, caps: EngineCapabilities) -> dict[str, A
     return {"type": "semantic_vad", "eagerness": "auto", "create_response": True, "interrupt_response": caps.barge_in}
 
 
+def noise_reduction_of(processing: dict[str, Any] | None) -> dict[str, str] | None:
+    """The GA ``noise_reduction`` that describes the uplink's processing (``audio_processing``)."""
+    if not processing:
+        return None
+    if processing.get("echo_cancellation"):
+        return {"type": "far_field"}
+    if processing.get("noise_suppression"):
+        return {"type": "near_field"}
+    return None
+
+
 def render_session(profile: RealtimeProfile, *, session_id: str | None, instructions: str | None,
-                   voice: str | None, expires_at: int | None) -> dict[str, Any]:
+                   voice: str | None, expires_at: int | None,
+                   noise_reduction: dict[str, str] | None = None) -> dict[str, Any]:
     """The GA session object, describing what the session really does."""
     session: dict[str, Any] = {"object": "realtime.session", "type": "realtime"}
     if session_id is not None:
@@ -61,7 +82,7 @@ def render_session(profile: RealtimeProfile, *, session_id: str | None, instruct
         "instructions": instructions or "",
         "audio": {
             # Over WebRTC the codec is the media track's; these describe the PCM the engine works in.
-            "input": {"format": dict(PCM_24K), "transcription": None, "noise_reduction": None,
+            "input": {"format": dict(PCM_24K), "transcription": None, "noise_reduction": noise_reduction,
                       "turn_detection": profile.turn_detection},
             "output": {"format": dict(PCM_24K), "voice": voice, "speed": 1.0},
         },
@@ -78,12 +99,13 @@ def render_session(profile: RealtimeProfile, *, session_id: str | None, instruct
 def render_live_session(profile: RealtimeProfile, info: dict[str, Any], created_at_wall: float) -> dict[str, Any]:
     """The GA session object of a running session, from the session's own ``describe()``."""
     return render_session(profile, session_id=info["id"], instructions=info.get("instructions"),
-                          voice=info.get("voice"), expires_at=int(created_at_wall + profile.max_duration_s))
+                          voice=info.get("voice"), expires_at=int(created_at_wall + profile.max_duration_s),
+                          noise_reduction=noise_reduction_of(info.get("audio_processing")))
 
 
 @dataclass(frozen=True)
 class SessionRequest:
-    changes: dict[str, Any]  # keys of the session's own ``session_config``: instructions, voice
+    changes: dict[str, Any]  # keys of the session's own ``session_config``: instructions, voice, audio_processing
     ignored: tuple[str, ...]  # dotted paths of requested values this session does not have
 
 
@@ -109,6 +131,10 @@ def read_session_config(raw: Any, profile: RealtimeProfile, event_id: str | None
             changes["voice"] = voice
         else:  # OpenAI's voice names do not exist here; the engine's own voice plays
             ignored.append("audio.output.voice")
+    audio_input = raw.get("audio", {}).get("input", {})
+    if "noise_reduction" in audio_input:
+        wanted = audio_input["noise_reduction"]
+        changes["audio_processing"] = dict(NOISE_REDUCTION[None if wanted is None else wanted["type"]])
     actual = render_session(profile, session_id=None, instructions=None, voice=None, expires_at=None)
     ignored += _differences(raw, actual, ())
     return SessionRequest(changes, tuple(ignored))
@@ -137,6 +163,10 @@ def merge_configs(base: dict[str, Any], override: dict[str, Any]) -> dict[str, A
         else:
             out[key] = value
     return out
+
+
+def requested_processing(request: SessionRequest) -> dict[str, bool] | None:
+    return request.changes.get("audio_processing")
 
 
 def session_options(request: SessionRequest) -> SessionOptions:

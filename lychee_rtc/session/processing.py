@@ -1,0 +1,40 @@
+"""What a session needs from the stage that cleans its uplink before the engine hears it.
+
+The stage itself (WebRTC's audio processing: echo cancellation, noise suppression, high-pass filter,
+gain control) lives in ``media/audio_processing.py``; the transports feed it what they played. The
+session only routes its uplink through it and changes its settings (``session.update``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from lychee_rtc.config import AudioProcessing
+
+
+class ProcessingUnavailable(Exception):
+    """Processing was asked for and this server cannot do it (the optional library is missing)."""
+
+
+class UplinkProcessing(Protocol):
+    @property
+    def settings(self) -> AudioProcessing: ...
+
+    def describe(self) -> dict[str, Any]:
+        """What is active, for the session's events."""
+
+    def configure(self, settings: AudioProcessing) -> np.ndarray:
+        """Switch stages on or off; returns the audio it still held (to hand on before what follows).
+        Raises ProcessingUnavailable if a stage is asked for and cannot run."""
+
+    def process(self, samples: np.ndarray, now: float) -> np.ndarray:
+        """Uplink audio arrived at ``now``: the processed audio ready so far (it may hold < 10 ms)."""
+
+    def process_gap(self, fill: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Lost uplink time, concealed by ``fill``: (audio held before it, the processed fill), each
+        exactly as long as what came in, so the gap keeps its place on the uplink."""
+
+    def close(self) -> None:
+        """The session has ended: free the processing state now."""

@@ -1,0 +1,87 @@
+"""A caller on speakerphone (lychee_rtc.bench.speakerphone): the agent's voice comes back through a
+simulated room into the caller's microphone, 120 ms later, as loud as the caller's own speech, over
+pink noise at 25 dB SNR. Real calls (aiortc over loopback) against the echo engine, which listens
+with its VAD while it speaks and stops when it hears speech (barge-in).
+
+Without the uplink processing the agent hears itself and cuts its own answer; with it, the agent
+speaks for more than a minute without interrupting itself, and the caller can still interrupt it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import PATIENT_WINDOWS, running_server, synthesize
+
+from lychee_rtc.bench.client import RATE
+from lychee_rtc.bench.speakerphone import RoomSetup, rms, speakerphone_client
+
+ROOM = RoomSetup(echo_db=0.0, delay_ms=120.0, snr_db=25.0)
+QUESTION = "Hello there. This is a test of the echo engine, one two three."  # about 4 s
+PHONE_LEG = {"echo_cancellation": True, "high_pass_filter": True}  # the phone legs' default
+
+
+def at_level(x: np.ndarray, level: float) -> np.ndarray:
+    return (x * (level / rms(x[np.abs(x) > 0.01 * np.max(np.abs(x))]))).astype(np.float32)
+
+
+def speech() -> tuple[np.ndarray, np.ndarray]:
+    question = at_level(synthesize(QUESTION), ROOM.speech_rms)
+    interjection = at_level(synthesize("Wait, stop, stop please, I have a question for you.", voice="en+f3"),
+                            ROOM.speech_rms)
+    return question, interjection
+
+
+def barge_ins(client, after: int = 0) -> list[dict]:
+    return [e for e in client.events[after:] if e["type"] == "output_audio_buffer.cleared"]
+
+
+async def test_without_processing_the_agent_interrupts_itself():
+    question, _ = speech()
+    async with running_server(engine={"echo": {"answer_repeats": 4}}, session=PATIENT_WINDOWS) as (url, _):
+        client = speakerphone_client(url, ROOM)
+        await client.connect()  # a browser's offer: no processing unless asked for
+        try:
+            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            assert not created["echo_cancellation"] and not created["noise_suppression"]
+            client.mic.feed(np.zeros(RATE // 2, np.float32))
+            client.mic.feed(question)
+            started = await client.wait_event("output_audio_buffer.started", timeout=60)
+            done = await client.wait_event("response.done", timeout=120, response_id=started["response_id"])
+            # Nobody spoke after the question: the agent heard its own voice and cut itself off.
+            assert done["response"]["status"] == "cancelled", "the agent finished without hearing itself"
+            assert done["response"]["status_details"]["reason"] == "barge_in"
+            assert client.mic.echo_energy > 0
+        finally:
+            await client.close()
+
+
+@pytest.mark.timeout(420)
+async def test_with_processing_a_minute_of_speech_without_self_interruption_and_barge_in_still_works():
+    question, interjection = speech()
+    # 16 times the four-second question: more than a minute of agent speech in one answer.
+    async with running_server(engine={"echo": {"answer_repeats": 16}}, session=PATIENT_WINDOWS) as (url, _):
+        client = speakerphone_client(url, ROOM)
+        await client.connect(session={"audio_processing": PHONE_LEG})
+        try:
+            active = client.events_of("session.created")[0]["session"]["audio_processing"]
+            assert active["echo_cancellation"] and active["high_pass_filter"] and not active["noise_suppression"]
+            client.mic.feed(np.zeros(RATE // 2, np.float32))
+            client.mic.feed(question)
+            started = await client.wait_event("output_audio_buffer.started", timeout=60)
+            first = client.events.index(started)
+            await client.wait_audio(started["sample_offset"] + 62 * RATE, timeout=180)
+            # Over a minute of the agent's own voice in the caller's microphone, and not one cut.
+            assert not barge_ins(client, first), "the agent interrupted itself"
+            assert not [e for e in client.events[first:] if e["type"] == "input_audio_buffer.speech_started"]
+            assert client.mic.echo_energy > 0
+            # The caller talks over the agent (double talk): that still interrupts it.
+            mark = len(client.events)
+            client.mic.feed(interjection)
+            cleared = await client.wait_event("output_audio_buffer.cleared", timeout=60, after=mark)
+            assert cleared["response_id"] == started["response_id"]
+            assert cleared["played_ms"] >= 60_000
+            done = await client.wait_event("response.done", timeout=60, response_id=started["response_id"])
+            assert done["response"]["status_details"]["reason"] == "barge_in"
+        finally:
+            await client.close()
