@@ -74,20 +74,19 @@ class Run:
 def run_stage(settings: AudioProcessing, agent_tx: np.ndarray, tx_rate: int, mic: np.ndarray,
               chunk: int = 320) -> Run:
     """Drive a stage like a call: agent frames leave every 20 ms, the microphone arrives ``chunk`` at a time."""
-    stage = AudioProcessingStage(RATE, settings, t0=0.0)
+    stage = AudioProcessingStage(RATE, settings)
     tx_frame = int(tx_rate * STEP_S)
     out: list[np.ndarray] = []
     frame_ms: list[float] = []
     cpu0 = time.process_time()
     steps = len(mic) // chunk
     for k in range(steps):
-        now = (k + 1) * chunk / RATE
         start = int(round(k * chunk / RATE * tx_rate))
         end = int(round((k + 1) * chunk / RATE * tx_rate))
         for a in range(start, end, tx_frame):  # what the transport sent meanwhile
-            stage.far_end(agent_tx[a:min(a + tx_frame, end)], tx_rate, a / tx_rate)
+            stage.far_end(agent_tx[a:min(a + tx_frame, end)], tx_rate)
         t = time.perf_counter()
-        out.append(stage.process(mic[k * chunk:(k + 1) * chunk], now))
+        out.append(stage.process(mic[k * chunk:(k + 1) * chunk]))
         frame_ms.append(1000.0 * (time.perf_counter() - t) / max(1, chunk // stage.frame))
     cpu = time.process_time() - cpu0
     stage.close()

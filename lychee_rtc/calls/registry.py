@@ -94,10 +94,16 @@ class CallRegistry:
         caps = self.engine.capabilities
         stage = self._processing(ingress, processing or {})
         if stage is not None and isinstance(sink, EpochSink):
-            sink.reference = stage  # the transport tells it what the caller's loudspeaker played
+            sink.attach_reference(stage)  # the transport tells it what the caller's loudspeaker played
         return DuplexSession(f"sess_{self.id_prefix}{secrets.token_hex(8)}", self.settings.session, slot, sink,
                              engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
                              origin=origin, processing=stage)
+
+    @staticmethod
+    def processing_of(session: DuplexSession) -> AudioProcessingStage | None:
+        """The stage ``new_session`` gave the session, for a new transport to feed."""
+        stage = session.processing
+        return stage if isinstance(stage, AudioProcessingStage) else None
 
     def _processing(self, ingress: str, changes: dict[str, bool]) -> AudioProcessingStage | None:
         rate = self.engine.capabilities.input_rate
@@ -107,14 +113,14 @@ class CallRegistry:
             return None
         wanted = AudioProcessing(**{**self.settings.audio_processing.for_ingress(ingress).model_dump(), **changes})
         try:
-            return AudioProcessingStage(rate, wanted, time.monotonic())
+            return AudioProcessingStage(rate, wanted)
         except ProcessingUnavailable as exc:
             if any(changes.values()):
                 raise  # asked for by this call, not only by the profile's default
             if not self._warned_processing:
                 self._warned_processing = True
                 log.warning("%s calls start without echo cancellation and noise suppression: %s", ingress, exc)
-            stage = AudioProcessingStage(rate, AudioProcessing(), time.monotonic())
+            stage = AudioProcessingStage(rate, AudioProcessing())
             stage.unavailable = str(exc)
             return stage
 

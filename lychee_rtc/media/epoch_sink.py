@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lychee_rtc.media.audio_processing import AudioProcessingStage
+from lychee_rtc.media.audio_processing import DEFAULT_REFERENCE_LEAD_S, AudioProcessingStage
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
 from lychee_rtc.session.sink import CutReport
 
@@ -38,10 +38,20 @@ class EpochSink:
         # The session's uplink processing: told what left for the caller, as it leaves (its echo reference).
         self.reference: AudioProcessingStage | None = None
 
-    def played(self, pcm: np.ndarray, at: float) -> None:
-        """``pcm`` (at the transport's rate) left for the caller at ``at``."""
+    # How far ahead of the caller's playout this transport sends (the stage's reference may stand
+    # this much ahead of the uplink); a carrier's lead is more.
+    reference_lead_s = DEFAULT_REFERENCE_LEAD_S
+
+    def attach_reference(self, stage: AudioProcessingStage | None) -> None:
+        """Feed ``stage`` what leaves for the caller from now on."""
+        self.reference = stage
+        if stage is not None:
+            stage.reference_lead_s = self.reference_lead_s
+
+    def played(self, pcm: np.ndarray) -> None:
+        """``pcm`` (at the transport's rate) has just left for the caller."""
         if self.reference is not None:
-            self.reference.far_end(pcm, self.playout.out_rate, at)
+            self.reference.far_end(pcm, self.playout.out_rate)
 
     @property
     def listener(self) -> PlayoutListener | None:

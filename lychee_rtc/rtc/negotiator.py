@@ -173,7 +173,7 @@ class RtcNegotiator:
             call.pc, call.track = RTCPeerConnection(self.rtc_configuration()), self._new_track()
             call.has_audio, call.connected_at, call.transport_failure = False, None, None
             await self._negotiate(call, offer_sdp)  # on failure the session stays suspended
-            call.track.reference = call.session.processing  # the new track feeds the echo reference
+            call.track.attach_reference(self.registry.processing_of(call.session))  # it feeds the echo reference
             call.session.rebind_sink(call.track)
             call.resume_from = max(0, int(last_seq))
             call.suspended_at = None

@@ -124,7 +124,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
     def _next_frame(self) -> av.AudioFrame:
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
-        self.played(pcm, self._clock())  # silence too: the caller's loudspeaker played it
+        self.played(pcm)  # silence too: the caller's loudspeaker played it
         self._frame_index += 1
         self.counters.frames += 1
         if not marks and self.playout.playing is None:

@@ -29,10 +29,10 @@ class UplinkProcessing(Protocol):
         """Switch stages on or off; returns the audio it still held (to hand on before what follows).
         Raises ProcessingUnavailable if a stage is asked for and cannot run."""
 
-    def process(self, samples: np.ndarray, now: float) -> np.ndarray:
-        """Uplink audio arrived at ``now``: the processed audio ready so far (it may hold < 10 ms)."""
+    def process(self, samples: np.ndarray) -> np.ndarray:
+        """Uplink audio arrived: the processed audio ready so far (it may hold back < 10 ms)."""
 
-    def process_gap(self, fill: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+    def process_gap(self, fill: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lost uplink time, concealed by ``fill``: (audio held before it, the processed fill), each
         exactly as long as what came in, so the gap keeps its place on the uplink."""
 

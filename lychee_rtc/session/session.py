@@ -220,17 +220,15 @@ class DuplexSession:
             return
         self.counters.input_samples += len(samples)
         if self.processing is not None:
-            now = self.clock() if now is None else now
-            samples = self.processing.process(samples, now)
+            samples = self.processing.process(samples)
         self.uplink.audio(samples, now)
 
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
         if self.closed:
             return
         if self.processing is not None and n > 0:
-            now = self.clock() if now is None else now
             concealed = np.zeros(n, np.float32) if fill is None else np.pad(fill, (0, max(0, n - len(fill))))[:n]
-            held, fill = self.processing.process_gap(concealed, now)
+            held, fill = self.processing.process_gap(concealed)
             if len(held):
                 self.uplink.audio(held, now)
         self.uplink.gap(n, now, fill)

@@ -21,6 +21,7 @@ from typing import Callable
 
 from lychee_rtc.aio import wait_event
 from lychee_rtc.config import TelephonySettings
+from lychee_rtc.media.audio_processing import DEFAULT_REFERENCE_LEAD_S
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout, PlayoutMark
 from lychee_rtc.session.sink import CutReport
@@ -67,6 +68,8 @@ class CarrierPacer(EpochSink):
         self.settings = settings
         super().__init__(EpochPlayout(in_rate, dialect.audio.rate, max_buffer_s), CarrierPacerCounters())
         self.frame_samples = dialect.audio.rate * dialect.frame_ms() // 1000
+        # The carrier holds about the lead before playing it: the echo reference stands that far ahead.
+        self.reference_lead_s = DEFAULT_REFERENCE_LEAD_S + settings.lead_ms / 1000.0
         self.marks_trusted = True  # False once the carrier has shown it does not echo marks
         self._clock = clock
         self._on_stalled = on_stalled
@@ -100,7 +103,7 @@ class CarrierPacer(EpochSink):
         """Drop the queue, take back unsent frames, flush the carrier; report what was heard."""
         report = super().cut(new_epoch)
         if self.reference is not None and (self._sent_position > self._confirmed_position or self._pending):
-            self.reference.cut_far_end(self._clock())  # the carrier's flush drops what it had not played
+            self.reference.cut_far_end()  # the carrier's flush drops what it had not played
         response_id = report.response_id or self._last_response
         played = self._heard(response_id)
         unconfirmed = self._sent_position - self._confirmed_position
@@ -208,7 +211,7 @@ class CarrierPacer(EpochSink):
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
         self._send(self.dialect.media(self.dialect.audio.encode(pcm)), epoch)
-        self.played(pcm, self._clock())
+        self.played(pcm)
         self.counters.frames += 1
         self._sent_position = offset + self.frame_samples
         self._since_mark += self.frame_samples
