@@ -171,6 +171,7 @@ class DuplexSession:
             "state": self.state,
             "epoch": self.epoch,
             "engine": self.engine_name,
+            **({"audio_processing": self.processing.describe()} if self.processing is not None else {}),
             "active_response": self.responses.active,
             "age_s": round(self.clock() - self.created_at, 3),
             "counters": {

@@ -1,0 +1,169 @@
+"""The uplink processing stage (media/audio_processing.py, WebRTC's audio processing module) on its
+own with real speech and a simulated room, and how calls configure it: defaults per ingress, the
+native ``session.update``, the OpenAI surface's ``audio.input.noise_reduction``."""
+
+from __future__ import annotations
+
+import aiohttp
+import numpy as np
+from aiortc import RTCPeerConnection, RTCSessionDescription
+from conftest import running_server, synthesize
+from telephony_support import EventStream, carrier, spec
+from test_openai_realtime import AUTH, KEY, open_call
+from test_telephony import phone_server
+
+from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.bench.speakerphone import rms, room_impulse_response
+from lychee_rtc.config import AudioProcessing
+from lychee_rtc.media.audio_processing import MAX_REFERENCE_S, AudioProcessingStage
+from lychee_rtc.session.protocol import validate_server_event
+
+RATE = 16000
+FRAME = RATE // 100
+
+
+def agent_speech(seconds: float) -> np.ndarray:
+    x = synthesize("The quick brown fox jumps over the lazy dog, and then it runs far away across the green "
+                   "hills towards the river, where it rests until the evening comes.", rate=RATE)
+    x = np.tile(x - np.mean(x), int(np.ceil(seconds * RATE / len(x))))[:int(seconds * RATE)]
+    return (0.1 * x / rms(x)).astype(np.float32)
+
+
+def test_the_stage_removes_a_room_echo_of_what_the_transport_sent():
+    agent = agent_speech(8.0)
+    sent = agent  # what left for the caller, frame by frame
+    delay = int(0.15 * RATE)  # loudspeaker, air and the network: 150 ms after it left
+    echo = np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    mic = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
+    out = []
+    for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):  # 20 ms frames leave, 20 ms of uplink comes in
+        stage.far_end(sent[i:i + 2 * FRAME], RATE)
+        out.append(stage.process(mic[i:i + 2 * FRAME]))
+    processed = np.concatenate(out)
+    tail = slice(3 * RATE, len(processed))  # after the canceller has learnt the room
+    erle = 10 * np.log10(np.mean(mic[tail] ** 2) / np.mean(processed[tail] ** 2))
+    assert erle > 25, f"echo reduced by only {erle:.1f} dB"
+    assert stage.counters.reference_frames == stage.counters.frames == len(processed) // FRAME
+    stage.close()
+
+
+def test_without_a_reference_the_echo_canceller_leaves_speech_alone():
+    # The caller speaks and nothing was played: no far end to cancel, the speech comes through.
+    caller = agent_speech(4.0)
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True))
+    processed = np.concatenate([stage.process(caller[i:i + 480]) for i in range(0, len(caller), 480)])
+    assert 0.5 < rms(processed[RATE:]) / rms(caller[RATE:len(processed)]) < 2.0
+
+
+def test_lengths_are_kept_and_the_reference_is_bounded():
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, noise_suppression=True))
+    chunk = np.full(250, 0.01, np.float32)  # not a multiple of 10 ms: the rest waits for the next chunk
+    out = stage.process(chunk)
+    assert len(out) == FRAME
+    held, filled = stage.process_gap(np.zeros(333, np.float32))
+    assert len(held) == 250 - FRAME and len(filled) == 333  # a gap keeps its place on the uplink exactly
+    # The far end nobody's uplink consumes stays bounded, and an interruption takes it back.
+    for _ in range(300):
+        stage.far_end(np.full(960, 0.1, np.float32), 48000)
+    assert len(stage._reference) <= MAX_REFERENCE_S * RATE
+    assert stage.counters.reference_trimmed_s > 0
+    stage.cut_far_end()
+    assert len(stage._reference) == 0 and stage.counters.reference_cut_s > 0
+    # Switched off: what it held comes out, and audio passes untouched from then on.
+    stage.process(np.full(50, 0.01, np.float32))
+    assert len(stage.configure(AudioProcessing())) == 50
+    x = np.linspace(-0.5, 0.5, 77).astype(np.float32)
+    assert np.array_equal(stage.process(x), x)
+    stage.close()
+
+
+async def test_browser_offers_start_without_and_change_it_with_session_update():
+    async with running_server() as (url, _):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            assert created == {"echo_cancellation": False, "noise_suppression": False, "high_pass_filter": False,
+                               "auto_gain_control": False, "sample_rate": 16000}
+            client.send({"type": "session.update", "session": {"audio_processing": {"noise_suppression": True}}})
+            updated = await client.wait_event("session.updated")
+            assert updated["session"]["audio_processing"]["noise_suppression"] is True
+            assert updated["session"]["audio_processing"]["echo_cancellation"] is False
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as resp:
+                    assert (await resp.json())["audio_processing"]["noise_suppression"] is True
+            client.send({"type": "session.update", "event_id": "bad",
+                         "session": {"audio_processing": {"echo_cancelation": True}}})
+            error = await client.wait_event("error")
+            assert error["error"]["code"] == "invalid_event" and error["error"]["event_id"] == "bad"
+            for event in client.events:
+                validate_server_event(event)
+        finally:
+            await client.close()
+
+
+async def test_an_offer_may_ask_for_processing_and_whip_has_it_by_default():
+    async with running_server() as (url, _):
+        client = RtcClient(url)
+        await client.connect(session={"audio_processing": {"echo_cancellation": True}})
+        pc = RTCPeerConnection()
+        try:
+            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            assert created["echo_cancellation"] and not created["noise_suppression"]
+            pc.addTransceiver("audio", direction="sendrecv")
+            await pc.setLocalDescription(await pc.createOffer())
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/whip", data=pc.localDescription.sdp,
+                                     headers={"Content-Type": "application/sdp"}) as resp:
+                    assert resp.status == 201
+                    answer = await resp.text()
+                await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+                async with http.get(f"{url}/v1/sessions") as resp:
+                    sessions = (await resp.json())["sessions"]
+            whip = [s for s in sessions if s["session_id"] != client.session_id]
+            assert len(whip) == 1
+            assert whip[0]["audio_processing"]["echo_cancellation"] and whip[0]["audio_processing"]["high_pass_filter"]
+        finally:
+            await pc.close()
+            await client.close()
+
+
+async def test_phone_calls_from_carriers_have_echo_cancellation_by_default():
+    async with phone_server() as (url, _):
+        phone = carrier(url, "twilio")
+        await phone.connect()
+        events = EventStream(url, spec("twilio")["call_id"])
+        try:
+            await events.connect()
+            created = await events.wait("session.created")
+            active = created["session"]["audio_processing"]
+            assert active["echo_cancellation"] and active["high_pass_filter"] and not active["noise_suppression"]
+        finally:
+            await events.close()
+            await phone.close()
+
+
+async def test_openai_noise_reduction_sets_the_processing():
+    async with running_server(server={"auth_token": KEY}) as (url, _):
+        client, call_id = await open_call(url, AUTH, session={
+            "type": "realtime", "audio": {"input": {"noise_reduction": {"type": "near_field"}}}})
+        try:
+            created = await client.wait_event("session.created")
+            assert created["session"]["audio"]["input"]["noise_reduction"] == {"type": "near_field"}
+            client.send({"type": "session.update",
+                         "session": {"type": "realtime", "audio": {"input": {"noise_reduction": {"type": "far_field"}}}}})
+            updated = await client.wait_event("session.updated")
+            assert updated["session"]["audio"]["input"]["noise_reduction"] == {"type": "far_field"}
+            assert "audio.input.noise_reduction" not in updated["lychee_rtc"]["ignored"]
+            n = len(client.events)
+            client.send({"type": "session.update",
+                         "session": {"type": "realtime", "audio": {"input": {"noise_reduction": None}}}})
+            off = await client.wait_event("session.updated", after=n)
+            assert off["session"]["audio"]["input"]["noise_reduction"] is None
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/sessions/{call_id}", headers=AUTH) as resp:
+                    active = (await resp.json())["audio_processing"]
+            assert not active["echo_cancellation"] and not active["noise_suppression"]
+        finally:
+            await client.close()
