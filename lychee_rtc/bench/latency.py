@@ -131,9 +131,9 @@ async def run_probes(client: RtcClient, *, clean: int, lossy_s: float, settle_s:
 async def measure(url: str, *, probes: int, interval_s: float, loss: float, jitter_ms: float,
                   lossy_s: float, settle_s: float, codec: str | None, seed: int,
                   client_jitter_buffer: str = "aiortc", server_pid: int | None = None,
-                  path: ImpairedPath | None = None) -> LatencyReport:
+                  path: ImpairedPath | None = None, audio_processing: dict[str, bool] | None = None) -> LatencyReport:
     client = RtcClient(path.url if path else url, codec=codec, jitter_buffer=client_jitter_buffer)
-    await client.connect()
+    await client.connect(session={"audio_processing": audio_processing} if audio_processing else None)
     impairment = None
     if path is not None:  # real packets impaired on their way, both ways, instead of inside the client
         impairment = PathPhases(path, loss, jitter_ms) if loss or jitter_ms else None
@@ -177,7 +177,8 @@ def format_report(report: LatencyReport) -> str:
 async def _main(args: argparse.Namespace) -> int:
     kwargs = dict(probes=args.probes, interval_s=args.interval, loss=args.loss, jitter_ms=args.jitter_ms,
                   lossy_s=args.loss_seconds, settle_s=args.settle_seconds, codec=args.codec, seed=args.seed,
-                  client_jitter_buffer=args.client_jitter_buffer)
+                  client_jitter_buffer=args.client_jitter_buffer,
+                  audio_processing={name: True for name in args.audio_processing.split(",") if name} or None)
     async with contextlib.AsyncExitStack() as stack:
         if args.url:
             url, pid = args.url, None
@@ -216,6 +217,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="impair real packets on a user-space UDP path (both ways, seeded) instead of dropping "
                         "them inside the client; the result's 'path' says what the path did")
     p.add_argument("--codec", choices=["opus", "PCMU", "PCMA"], default=None)
+    p.add_argument("--audio-processing", default="", metavar="STAGES",
+                   help="uplink processing for the call, comma-separated: echo_cancellation, noise_suppression, "
+                        "high_pass_filter, auto_gain_control (default: none, as a browser's offer)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="also write the report as JSON here")
     p.set_defaults(func=_main)
