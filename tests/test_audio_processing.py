@@ -4,8 +4,11 @@ native ``session.update``, the OpenAI surface's ``audio.input.noise_reduction``.
 
 from __future__ import annotations
 
+import sys
+
 import aiohttp
 import numpy as np
+import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from conftest import running_server, synthesize
 from telephony_support import EventStream, carrier, spec
@@ -16,6 +19,7 @@ from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.audio_processing import MAX_REFERENCE_S, AudioProcessingStage
+from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
 
 RATE = 16000
@@ -167,3 +171,38 @@ async def test_openai_noise_reduction_sets_the_processing():
             assert not active["echo_cancellation"] and not active["noise_suppression"]
         finally:
             await client.close()
+
+
+async def test_without_the_aec_extra_calls_run_unprocessed_and_asking_for_it_is_refused(monkeypatch):
+    # The default install has no livekit: its import fails as it would there.
+    monkeypatch.setitem(sys.modules, "livekit", None)
+    monkeypatch.setitem(sys.modules, "livekit.rtc", None)
+    with pytest.raises(ProcessingUnavailable, match=r"lychee-rtc\[aec\]"):
+        AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True))
+    async with running_server() as (url, _):
+        refused = RtcClient(url)
+        with pytest.raises(RuntimeError, match="audio_processing_unavailable"):
+            await refused.connect(session={"audio_processing": {"noise_suppression": True}})
+        await refused.close()
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            assert created["echo_cancellation"] is False
+            client.send({"type": "session.update", "event_id": "ns",
+                         "session": {"audio_processing": {"noise_suppression": True}}})
+            error = await client.wait_event("error")
+            assert error["error"]["code"] == "audio_processing_unavailable"
+        finally:
+            await client.close()
+    async with phone_server() as (url, _):  # a phone leg would have had it: it says why not
+        phone = carrier(url, "twilio")
+        await phone.connect()
+        events = EventStream(url, spec("twilio")["call_id"])
+        try:
+            await events.connect()
+            active = (await events.wait("session.created"))["session"]["audio_processing"]
+            assert not active["echo_cancellation"] and "aec" in active["unavailable"]
+        finally:
+            await events.close()
+            await phone.close()

@@ -18,13 +18,12 @@ What the transport sent ahead of the caller's playout waits in a queue: a carrie
 what it was sent in real time), a frame of jitter for WebRTC. More than that standing for a second
 is dropped, so the reference never runs late; none there (a carrier sends nothing between answers)
 is silence. At an interruption the carrier flushes what it had not played, and the queue goes too.
-AEC3 finds the remaining delay (network, jitter buffers, the room) itself; measured up to about
-500 ms (docs/echo.md).
+AEC3 finds the remaining delay (network, jitter buffers, the room) itself: measured with a 400 ms
+echo path (docs/benchmarks.md); its delay search reaches about half a second (docs/echo.md).
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +33,6 @@ import numpy as np
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.session.processing import ProcessingUnavailable
-
-log = logging.getLogger(__name__)
 
 FRAME_MS = 10  # the module processes exactly 10 ms at a time
 SUPPORTED_RATES = (8000, 16000, 32000, 48000)
@@ -55,14 +52,6 @@ def _load_module() -> Any:
     except ImportError as exc:
         raise ProcessingUnavailable(f"audio processing needs the livekit package: {INSTALL_HINT}") from exc
     return AudioFrame, AudioProcessingModule
-
-
-def processing_available() -> bool:
-    try:
-        _load_module()
-    except ProcessingUnavailable:
-        return False
-    return True
 
 
 def _to_int16(x: np.ndarray) -> bytearray:

@@ -158,7 +158,8 @@ async def create_call(request: web.Request) -> web.Response:
     except ProtocolError as exc:
         return error(400, exc.code, exc.message, param="session")
     try:
-        call = await surface.rtc.create(sdp, session_options(request_cfg), processing=requested_processing(request_cfg))
+        call = await surface.rtc.create(sdp, session_options(request_cfg),
+                                        processing=requested_processing(request_cfg))
     except ServerFull as exc:
         return http.server_full(exc, param=None)
     except ProcessingUnavailable as exc:
