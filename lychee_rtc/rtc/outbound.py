@@ -124,6 +124,8 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
     def _next_frame(self) -> av.AudioFrame:
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
+        if self.sent_tap is not None:  # RTP has no playout receipts: a frame is heard as it leaves
+            self.sent_tap.agent_sent(pcm, self.out_rate, self._clock())
         self._frame_index += 1
         self.counters.frames += 1
         if not marks and self.playout.playing is None:

@@ -23,7 +23,8 @@ from lychee_rtc.rtc.call import RtcCall
 from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.rtc.trickle import add_remote_candidates
-from lychee_rtc.server import auth, http
+from lychee_rtc.media.recording.store import RecordingStore
+from lychee_rtc.server import auth, http, recordings
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.openai import routes as realtime
@@ -301,7 +302,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = call_metrics
-    registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics)
+    store = RecordingStore(settings.recording)
+    registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics, store)
     profile = RealtimeProfile.build(settings, engine.capabilities)
     # What a WebRTC data channel speaks, by its label: the transport is handed this, not the dialects.
     dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
@@ -344,4 +346,5 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
+    recordings.install(app, store, registry, settings)
     return app
