@@ -1,0 +1,171 @@
+"""Recordings over HTTP (fetch, list, delete, who may), turned on and off by the session itself,
+and retention by age and total size."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from contract import check_response
+from conftest import running_server, wait_until
+from recording_support import decode
+
+from lychee_rtc.bench.client import RATE, RtcClient
+from lychee_rtc.config import RecordingSettings
+from lychee_rtc.media.recording.store import RecordingBusy, RecordingStore
+
+KEY = "server-key"
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+TONE = (0.2 * np.sin(2 * np.pi * 440 * np.arange(RATE * 2) / RATE)).astype(np.float32)
+
+
+async def _call(url: str, **session) -> RtcClient:
+    client = RtcClient(url, auth_token=KEY)
+    await client.connect(session=session or None)
+    await client.wait_event("session.created", timeout=60)
+    return client
+
+
+async def test_recordings_are_fetched_listed_and_deleted_by_who_may(tmp_path):
+    recording = {"enabled": True, "directory": str(tmp_path)}
+    async with running_server(server={"auth_token": KEY}, recording=recording) as (url, _):
+        a, b = await _call(url), await _call(url)
+        try:
+            a.mic.feed(TONE)
+            await a.wait_sent(len(TONE))
+            async with aiohttp.ClientSession() as http:
+                rec = f"{url}/v1/sessions/{a.session_id}/recording"
+                # During the call: its own token or the server key; another session's token is no key.
+                for headers, status in ((a.auth_headers, 200), (ADMIN, 200), (b.auth_headers, 401), ({}, 401)):
+                    async with http.get(f"{rec}/events", headers=headers) as resp:
+                        assert resp.status == status, (headers, await resp.text())
+                        if status == 401:
+                            check_response("/v1/sessions/{session_id}/recording/events", "GET", resp.status,
+                                           resp.headers, await resp.read())
+                async with http.delete(rec, headers=a.auth_headers) as resp:
+                    assert resp.status == 409
+                    body = await resp.read()
+                    check_response("/v1/sessions/{session_id}/recording", "DELETE", 409, resp.headers, body)
+                    assert json.loads(body)["error"]["code"] == "recording_in_progress"
+                async with http.get(f"{url}/v1/recordings", headers=a.auth_headers) as resp:
+                    assert resp.status == 401  # the listing is the operator's
+                async with http.get(f"{url}/v1/recordings", headers=ADMIN) as resp:
+                    body = await resp.read()
+                    check_response("/v1/recordings", "GET", resp.status, resp.headers, body)
+                    listed = {r["session_id"]: r for r in json.loads(body)["recordings"]}
+                assert listed[a.session_id]["status"] == "recording" and b.session_id in listed
+                assert "token_sha256" not in listed[a.session_id]
+
+                for client in (a, b):
+                    async with http.delete(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers):
+                        pass
+
+                async def finished() -> bool:
+                    async with http.get(f"{url}/v1/recordings", headers=ADMIN) as resp:
+                        return all(r["status"] == "complete" for r in (await resp.json())["recordings"])
+
+                await wait_until(finished, 60, "both recordings to be finished")
+                # After the call the session is gone; its token still opens its recording.
+                async with http.get(rec, headers=a.auth_headers) as resp:
+                    assert resp.status == 200 and resp.headers["Content-Type"].startswith("audio/ogg")
+                    audio = decode(await resp.read())
+                assert np.max(np.abs(audio[:, 0])) > 0.1  # the tone the caller sent
+                async with http.get(rec, headers=b.auth_headers) as resp:
+                    assert resp.status == 401
+                async with http.get(f"{url}/v1/sessions/sess_nope/recording", headers=ADMIN) as resp:
+                    body = await resp.read()
+                    check_response("/v1/sessions/{session_id}/recording", "GET", 404, resp.headers, body)
+                    assert json.loads(body)["error"]["code"] == "recording_not_found"
+                async with http.get(f"{url}/v1/sessions/..%2F..%2Fetc/recording", headers=ADMIN) as resp:
+                    assert resp.status == 404
+                async with http.delete(rec, headers=a.auth_headers) as resp:
+                    assert resp.status == 204
+                async with http.get(rec, headers=ADMIN) as resp:
+                    assert resp.status == 404
+                assert not (tmp_path / a.session_id).exists() and (tmp_path / b.session_id).exists()
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def test_a_session_turns_its_recording_on_pauses_and_resumes_it(tmp_path):
+    async with running_server(recording={"directory": str(tmp_path)}) as (url, _):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            created = await client.wait_event("session.created", timeout=60)
+            assert created["session"]["recording"] == "off"
+            assert not any(tmp_path.iterdir())  # off by default: nothing written
+            for on in (True, False, True):
+                client.send({"type": "session.update", "session": {"recording": on}})
+                updated = await client.wait_event("session.updated", timeout=60, after=len(client.events))
+                assert updated["session"]["recording"] == ("recording" if on else "paused")
+            async with aiohttp.ClientSession() as http:
+                async with http.delete(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers):
+                    pass
+            folder = tmp_path / client.session_id
+            await wait_until(lambda: json.loads((folder / "meta.json").read_text())["status"] == "complete", 60,
+                             "the recording to be finished")
+            kinds = [json.loads(line)["type"] for line in (folder / "events.jsonl").read_text().splitlines()]
+            # Paused means nothing captured: not even the session.updated that said so.
+            paused = kinds.index("recording.paused")
+            assert kinds[paused + 1] == "recording.resumed"
+            assert kinds[0] == "recording.started" and kinds[-1] == "recording.stopped"
+            assert kinds.count("session.updated") == 2  # the one that started it, the one that resumed it
+        finally:
+            await client.close()
+
+
+async def test_a_profile_that_keeps_recording_to_itself_refuses_the_client(tmp_path):
+    recording = {"enabled": True, "client_control": False, "directory": str(tmp_path)}
+    async with running_server(recording=recording) as (url, _):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            await client.wait_event("session.created", timeout=60)
+            client.send({"type": "session.update", "session": {"recording": False}})
+            error = await client.wait_event("error", timeout=60)
+            assert error["error"]["code"] == "recording_not_allowed"
+            assert (tmp_path / client.session_id / "audio.ogg").exists()
+        finally:
+            await client.close()
+
+
+# --- retention (the store alone) ----------------------------------------------------------------------
+
+def _finished_recording(store: RecordingStore, session_id: str, size: int, ended_at: float) -> None:
+    folder = store.directory / session_id
+    folder.mkdir(parents=True)
+    (folder / "audio.ogg").write_bytes(b"\0" * size)
+    meta = {"session_id": session_id, "status": "complete", "started_at": ended_at - 10, "ended_at": ended_at}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_retention_removes_what_is_too_old(tmp_path):
+    mb = 1 << 20
+    store = RecordingStore(RecordingSettings(directory=tmp_path, max_age_s=3600, max_total_bytes=4 * mb))
+    now = time.time()
+    _finished_recording(store, "sess_ancient", 1000, now - 7200)
+    _finished_recording(store, "sess_old", mb, now - 1800)
+    _finished_recording(store, "sess_new", mb, now - 60)
+    assert store.enforce_retention(now) == ["sess_ancient"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sess_new", "sess_old"]
+    assert store.enforce_retention(now + 2000) == ["sess_old"]  # its hour is up
+    assert [r["session_id"] for r in store.list()] == ["sess_new"]
+
+
+def test_retention_over_the_total_goes_oldest_first_and_spares_a_live_recording(tmp_path):
+    mb = 1 << 20
+    store = RecordingStore(RecordingSettings(directory=tmp_path, max_total_bytes=2 * mb + 4096))
+    now = time.time()
+    for i, name in enumerate(["sess_a", "sess_b", "sess_c", "sess_d"]):
+        _finished_recording(store, name, mb, now - 100 + i)
+    store.active["sess_a"] = object()  # type: ignore[assignment]  # still being written
+    removed = store.enforce_retention(now)
+    assert removed == ["sess_b", "sess_c"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sess_a", "sess_d"]
+    with pytest.raises(RecordingBusy):
+        store.delete("sess_a")
