@@ -54,9 +54,8 @@ def correlation_at(reference: np.ndarray, other: np.ndarray, lag: int, hop: int 
     return float(np.corrcoef(a, b)[0, 1])
 
 
-def last_sound_before(x: np.ndarray, end: int, threshold: float = 0.003) -> int:
-    """Sample just past the last 5 ms block above ``threshold`` RMS before ``end``."""
-    hop = FRAME // 4
+def last_sound_before(x: np.ndarray, end: int, threshold: float = 0.003, hop: int = FRAME // 4) -> int:
+    """Sample just past the last ``hop`` block (5 ms at 48 kHz) above ``threshold`` RMS before ``end``."""
     rms = block_rms(x[:end], hop)
     loud = np.flatnonzero(rms > threshold)
     return int((loud[-1] + 1) * hop) if len(loud) else 0

@@ -4,8 +4,11 @@ Both channels arrive as streams that are continuous in samples (the uplink conce
 outbound side reads a continuous playout) but stamped with times that jitter. A chunk is placed
 right after the previous one of its channel while its stamp agrees with that within ``tolerance``;
 a larger disagreement is a real break (the caller's media stopped, the carrier idled between
-responses, a stall), and the channel re-anchors on the stamp. That keeps each channel free of
-clicks from timestamp jitter and still puts a barge-in where it happened.
+responses, a stall), and the channel re-anchors on the stamp. A chunk stamped earlier than its
+place means the anchor was late (the first chunk of a segment was delayed on its way in): the
+segment slides back to the earlier stamp, so each channel settles on its least-delayed arrival.
+That keeps each channel free of clicks from timestamp jitter and still puts a barge-in where it
+happened.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ RATE = 48000  # the recording's rate: Opus's own, so the agent's WebRTC audio go
 CHANNELS = ("caller", "agent")
 # A stamp this far from where the stream says the chunk belongs is a break, not jitter.
 TOLERANCE_S = 0.12
+# A stamp this much earlier than its place slides the segment back to it.
+SLIDE_S = 0.002
 
 
 @dataclass
@@ -27,6 +32,7 @@ class PlacementCounters:
     late_samples: int = 0  # arrived after their place had been written out: dropped
     overflow_samples: int = 0  # beyond the buffer's reach (a stamp far in the future): dropped
     reanchors: int = 0
+    slides: int = 0
 
 
 class MixBuffer:
@@ -96,6 +102,11 @@ class ChannelPlacer:
             self._next = round(at_s * RATE)
             self._anchor_s = at_s
             self._consumed = 0
+        elif at_s < expected - SLIDE_S and self._next is not None:
+            early = expected - at_s
+            self.counters.slides += 1
+            self._anchor_s -= early
+            self._next -= round(early * RATE)
         self._consumed += len(samples)
         out = self._resampler.process(samples) if self._resampler is not None else samples
         self._put(buffer, out)
