@@ -245,7 +245,6 @@ class RecordingS3Settings(_Section):
     # Unset: the usual AWS credential chain (environment, shared files, instance role).
     access_key_id: str | None = None
     secret_access_key: str | None = None
-    delete_local: bool = False  # drop the local copy once uploaded
 
 
 class RecordingSettings(_Section):

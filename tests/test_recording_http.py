@@ -169,3 +169,52 @@ def test_retention_over_the_total_goes_oldest_first_and_spares_a_live_recording(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sess_a", "sess_d"]
     with pytest.raises(RecordingBusy):
         store.delete("sess_a")
+
+
+# --- upload to S3-compatible storage (moto's server, a real S3 API over HTTP) ----------------------------
+
+async def test_a_finished_recording_is_uploaded_to_object_storage(tmp_path):
+    import asyncio
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from conftest import free_port
+    from recording_support import decode
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        creds = {"access_key_id": "test", "secret_access_key": "test", "region": "us-east-1"}
+        s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                          region_name="us-east-1")
+        await asyncio.to_thread(s3.create_bucket, Bucket="calls")
+        recording = {"enabled": True, "directory": str(tmp_path),
+                     "s3": {"bucket": "calls", "prefix": "rec/", "endpoint_url": endpoint, **creds}}
+        async with running_server(recording=recording) as (url, _):
+            client = RtcClient(url)
+            await client.connect()
+            try:
+                client.mic.feed(TONE)
+                await client.wait_sent(len(TONE))
+                async with aiohttp.ClientSession() as http:
+                    async with http.delete(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers):
+                        pass
+                meta_path = tmp_path / client.session_id / "meta.json"
+                await wait_until(lambda: "uploaded_to" in json.loads(meta_path.read_text())
+                                 or "upload_error" in json.loads(meta_path.read_text()), 60, "the upload")
+            finally:
+                await client.close()
+        meta = json.loads(meta_path.read_text())
+        assert meta["uploaded_to"] == f"s3://calls/rec/{client.session_id}/", meta
+        listed = await asyncio.to_thread(s3.list_objects_v2, Bucket="calls", Prefix=f"rec/{client.session_id}/")
+        keys = sorted(o["Key"].rsplit("/", 1)[1] for o in listed["Contents"])
+        assert keys == ["audio.ogg", "events.jsonl", "meta.json"]
+        body = await asyncio.to_thread(s3.get_object, Bucket="calls", Key=f"rec/{client.session_id}/audio.ogg")
+        assert body["ContentType"].startswith("audio/ogg")
+        audio = decode(body["Body"].read())
+        assert np.max(np.abs(audio[:, 0])) > 0.1
+    finally:
+        server.stop()

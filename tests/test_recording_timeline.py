@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from lychee_rtc.media.recording.timeline import RATE, ChannelPlacer, MixBuffer, PlacementCounters
@@ -74,3 +76,35 @@ def test_other_rates_are_resampled_into_place():
     placed = buffer.data[:, 1]
     loud = np.flatnonzero(np.abs(placed) > 0.1)
     assert abs(loud[0] - round(0.25 * RATE)) < 100 and abs(loud[-1] - round(1.25 * RATE)) < 200
+
+
+# --- the writer thread: a full disk and a full queue cost the recording, never the caller ---------------
+
+def test_a_full_disk_fails_the_recording_and_the_writer_keeps_taking_items(tmp_path):
+    import time
+
+    from lychee_rtc.media.recording.writer import RecordingWriter
+
+    done = []
+    # /dev/full takes the open and refuses every write with ENOSPC: a disk that has filled up.
+    writer = RecordingWriter(Path("/dev/full"), tmp_path / "events.jsonl", time.monotonic(), 32000, 50,
+                             on_done=done.append)
+    writer.start()
+    t0 = time.monotonic()
+    for k in range(400):  # eight seconds of frames, submitted at once: the writer must fail, not block
+        writer.submit(("audio", 0, t0 - 10 + k * 0.02, np.zeros(960, np.float32), RATE))
+    writer.finish(time.monotonic())
+    writer.join(30)
+    assert not writer.is_alive()
+    assert done and done[0].status == "failed" and "No space" in (done[0].error or "")
+
+
+def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path):
+    import time
+
+    from lychee_rtc.media.recording.writer import RecordingWriter
+
+    writer = RecordingWriter(tmp_path / "a.ogg", tmp_path / "e.jsonl", time.monotonic(), 32000, 50)
+    # Not started: nothing takes items off the queue, as with a writer stuck on a slow disk.
+    accepted = sum(writer.submit(("line", "{}")) for _ in range(80))
+    assert accepted == 50 and writer.state.counters.items_dropped == 30

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from lychee_rtc.config import RecordingSettings
 from lychee_rtc.media.recording.recorder import CallRecorder
+from lychee_rtc.media.recording.upload import S3Uploader
 from lychee_rtc.media.recording.writer import RecordingWriter, WriterState
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,13 @@ def token_hash(token: str) -> str:
 
 
 class RecordingStore:
-    def __init__(self, settings: RecordingSettings, clock: Callable[[], float] = time.monotonic,
-                 on_finished: Callable[[Path], None] | None = None) -> None:
+    def __init__(self, settings: RecordingSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.directory = settings.directory
         self.clock = clock
         self.active: dict[str, CallRecorder] = {}
-        self.on_finished = on_finished  # an uploader, called on the writer's thread
+        # Finished recordings are copied to object storage on their writer's thread (recording.s3).
+        self.uploader = S3Uploader(settings.s3) if settings.s3 is not None else None
         self._lock = threading.Lock()  # meta files and retention are touched from writer threads too
 
     # --- start-up ----------------------------------------------------------------------------------
@@ -99,15 +100,24 @@ class RecordingStore:
         except OSError as exc:
             log.error("recording %s: cannot write its meta file: %s", session_id, exc)
         self.active.pop(session_id, None)
-        if recorder is not None and self.on_finished is not None and state.status == "complete":
-            try:
-                self.on_finished(self.directory / session_id)
-            except Exception as exc:
-                log.error("recording %s: upload failed: %s", session_id, exc)
+        if recorder is not None and self.uploader is not None and state.status == "complete":
+            self._upload(session_id)
         try:
             self.enforce_retention()
         except OSError as exc:
             log.error("recording retention failed: %s", exc)
+
+    def _upload(self, session_id: str) -> None:
+        assert self.uploader is not None
+        try:
+            outcome: dict[str, Any] = {"uploaded_to": self.uploader.upload(self.directory / session_id)}
+        except Exception as exc:  # the network, the bucket, credentials: the local copy stays
+            log.error("recording %s: upload failed: %s", session_id, exc)
+            outcome = {"upload_error": f"{type(exc).__name__}: {exc}"}
+        meta = self.meta(session_id)
+        if meta is not None:
+            meta.update(outcome)
+            self._write_meta(meta)
 
     def _write_final_meta(self, session_id: str, state: WriterState) -> None:
         meta = self.meta(session_id) or {"session_id": session_id}
