@@ -5,7 +5,7 @@ loop only puts small items on a bounded queue (``recorder.CallRecorder``). Audio
 ``LATENCY_S`` behind real time, which is how long a chunk may arrive after its place on the clock
 (the caller's jitter, the carrier's lead) and still be recorded; the Ogg muxer closes a page every
 ``PAGE_S`` and each page is handed to the kernel at once, so a process killed at any moment leaves
-a file that plays up to at most ``LATENCY_S + PAGE_S`` (< 2 s) before the kill.
+a file that plays up to at most ``LATENCY_S + PAGE_S`` plus one encoded block (< 2 s) before the kill.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 LATENCY_S = 0.6
 PAGE_S = 0.5
 FRAME = RATE // 50  # Opus's 20 ms: written out in whole frames
+# Encoded in blocks of this many frames (200 ms): each block shifts the placement buffer once.
+BLOCK_FRAMES = 10
 BUFFER_S = 4.0  # how far ahead of what is written a chunk may be placed
 
 
@@ -37,6 +39,7 @@ class WriterCounters(PlacementCounters):
     audio_bytes: int = 0
     events_written: int = 0
     encoded_samples: int = 0
+    cpu_s: float = 0.0  # the writer thread's own CPU time, when it has finished
 
 
 @dataclass
@@ -108,6 +111,7 @@ class RecordingWriter(threading.Thread):
             self._drain_after_failure()
         finally:
             self._release()
+            self.state.counters.cpu_s = time.thread_time()
             if self._on_done is not None:
                 try:
                     self._on_done(self.state)
@@ -139,7 +143,8 @@ class RecordingWriter(threading.Thread):
 
     def _write_until(self, until: float) -> None:
         target = round((until - self.t0) * RATE)
-        n = (target - self._buffer.base) // FRAME * FRAME
+        block = FRAME * BLOCK_FRAMES
+        n = (target - self._buffer.base) // block * block
         if n > 0:
             self._encode(self._buffer.take(self._buffer.base + n))
 
