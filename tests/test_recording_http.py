@@ -218,3 +218,62 @@ async def test_a_finished_recording_is_uploaded_to_object_storage(tmp_path):
         assert np.max(np.abs(audio[:, 0])) > 0.1
     finally:
         server.stop()
+
+
+# --- the OpenAI surface: no recording switch of its own, so this server's `lychee_rtc.recording` --------
+
+async def test_an_openai_call_asks_for_its_recording_with_the_lychee_rtc_extension(tmp_path):
+    from test_openai_realtime import assert_ga_events_valid, open_call
+
+    from lychee_rtc.server.app import REGISTRY_KEY
+
+    async with running_server(server={"auth_token": KEY}, recording={"directory": str(tmp_path)}) as (url, app):
+        client, call_id = await open_call(url, ADMIN, session={"type": "realtime", "lychee_rtc": {"recording": True}})
+        try:
+            await client.wait_event("session.created", timeout=60)
+            assert app[REGISTRY_KEY].recording_of[call_id].state() == "recording"
+            client.send({"type": "session.update", "session": {"type": "realtime", "lychee_rtc": {"recording": False}}})
+            updated = await client.wait_event("session.updated", timeout=60)
+            assert updated["lychee_rtc"]["recording"] == "paused"
+            assert "lychee_rtc.recording" not in updated["lychee_rtc"].get("ignored", [])
+            client.send({"type": "session.update", "session": {"type": "realtime", "lychee_rtc": {"recording": 1}}})
+            error = await client.wait_event("error", timeout=60)
+            assert error["error"]["code"] == "invalid_session"
+            assert_ga_events_valid(client.events)
+        finally:
+            await client.close()
+        lines = (tmp_path / call_id / "events.jsonl").read_text().splitlines()
+        assert [json.loads(line)["type"] for line in lines[:2]] == ["recording.started", "session.created"]
+
+    # A profile that keeps recording to itself refuses the request before a call is made.
+    async with running_server(server={"auth_token": KEY},
+                              recording={"directory": str(tmp_path), "client_control": False}) as (url, app):
+        client = RtcClient(url, channel_label="oai-events")
+        form = aiohttp.FormData()
+        form.add_field("sdp", await client.make_offer(), content_type="application/sdp")
+        form.add_field("session", json.dumps({"type": "realtime", "lychee_rtc": {"recording": True}}),
+                       content_type="application/json")
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/realtime/calls", data=form, headers=ADMIN) as resp:
+                    body = await resp.read()
+                    assert resp.status == 400, body
+                    check_response("/v1/realtime/calls", "POST", 400, resp.headers, body)
+                    assert json.loads(body)["error"]["code"] == "recording_not_allowed"
+            assert not app[REGISTRY_KEY].calls
+        finally:
+            await client.close()
+
+
+async def test_a_native_offer_asks_for_its_recording_from_the_start(tmp_path):
+    async with running_server(recording={"directory": str(tmp_path)}) as (url, _):
+        client = RtcClient(url)
+        await client.connect(session={"recording": True})
+        try:
+            created = await client.wait_event("session.created", timeout=60)
+            assert created["session"]["recording"] == "recording"
+            sidecar = tmp_path / client.session_id / "events.jsonl"
+            await wait_until(lambda: len(sidecar.read_text().splitlines()) >= 2, 30, "the sidecar's first lines")
+            assert json.loads(sidecar.read_text().splitlines()[1])["type"] == "session.created"
+        finally:
+            await client.close()

@@ -93,8 +93,10 @@ class CallRegistry:
                              engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
                              origin=origin)
 
-    def register(self, call: Call) -> None:
-        """Count the call, start its session and its watchdog; closing the session tears it down."""
+    def register(self, call: Call, record: bool = False) -> None:
+        """Count the call, start its session and its watchdog; closing the session tears it down.
+
+        ``record``: the client asked for a recording from the start (the route checked that it may)."""
         session = call.session
         self.calls[session.id] = call
         self.metrics.sessions_total.inc()
@@ -104,7 +106,7 @@ class CallRegistry:
             recording = CallRecording(self.recordings, self.settings.recording, session, call.token,
                                       call.snapshot().get("transport", "unknown"))
             session.recording = self.recording_of[session.id] = recording
-            if self.settings.recording.enabled:
+            if self.settings.recording.enabled or record:
                 recording.start()  # before the session starts: its first event is in the sidecar
         session.start()
         call.watchdog = asyncio.create_task(self._watchdog(call), name=f"watchdog-{session.id}")

@@ -126,8 +126,12 @@ async def offer(request: web.Request) -> web.Response:
     if options.voice is not None and options.voice not in voices:
         choice = f"one of {list(voices)}" if voices else "not selectable with this engine"
         return http.error_response(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
+    record = bool((raw_session or {}).get("recording", False))
+    if record and not request.app[SETTINGS_KEY].recording.client_control:
+        return http.error_response(400, "recording_not_allowed",
+                                   "session/recording: this server decides what is recorded (recording.client_control)")
     try:
-        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics)
+        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics, record=record)
     except ServerFull as exc:
         return http.server_full(exc)
     except SdpError as exc:
