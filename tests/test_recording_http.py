@@ -45,6 +45,10 @@ async def test_recordings_are_fetched_listed_and_deleted_by_who_may(tmp_path):
                         if status == 401:
                             check_response("/v1/sessions/{session_id}/recording/events", "GET", resp.status,
                                            resp.headers, await resp.read())
+                async with http.get(f"{url}/v1/sessions/{a.session_id}", headers=a.auth_headers) as resp:
+                    body = await resp.read()
+                    check_response("/v1/sessions/{session_id}", "GET", resp.status, resp.headers, body)
+                    assert json.loads(body)["recording"]["state"] == "recording"
                 async with http.delete(rec, headers=a.auth_headers) as resp:
                     assert resp.status == 409
                     body = await resp.read()

@@ -7,7 +7,7 @@ client turns recording on or off through ``session.update`` (``RecordingControl`
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,6 +25,9 @@ class RecordingControl(Protocol):
 
     def state(self) -> str:
         """off | recording | paused | failed"""
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state and what has been written, for the session's snapshot."""
 
     def set_recording(self, on: bool, event_id: str | None = None) -> None:
         """Start, pause or resume; raises ProtocolError when the client may not."""

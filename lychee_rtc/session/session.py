@@ -169,6 +169,7 @@ class DuplexSession:
             "engine": self.engine_name,
             "active_response": self.responses.active,
             "age_s": round(self.clock() - self.created_at, 3),
+            **({"recording": self.recording.snapshot()} if self.recording is not None else {}),
             "counters": {
                 **asdict(self.counters),
                 **asdict(self.events.counters),

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from lychee_rtc.jsonio import JsonError, strict_json_dumps
+from lychee_rtc.media.recording.timeline import RATE
 from lychee_rtc.media.recording.writer import RecordingWriter, WriterState
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class CallRecorder:
         c = self.state.counters
         state = "paused" if self.paused and self.state.status == "recording" else self.state.status
         return {"state": state, **({"error": self.state.error} if self.state.error else {}),
-                "audio_bytes": c.audio_bytes, "seconds": round(c.encoded_samples / 48000, 3),
+                "audio_bytes": c.audio_bytes, "seconds": round(c.encoded_samples / RATE, 3),
                 "items_dropped": c.items_dropped, "late_samples": c.late_samples}
 
     # --- internals -----------------------------------------------------------------------------------

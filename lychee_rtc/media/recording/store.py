@@ -123,7 +123,8 @@ class RecordingStore:
         meta = self.meta(session_id) or {"session_id": session_id}
         meta.update(status=state.status, ended_at=time.time(), bytes=self._size(self.directory / session_id),
                     duration_s=round(state.counters.encoded_samples / 48000, 3),
-                    items_dropped=state.counters.items_dropped, late_samples=state.counters.late_samples)
+                    items_dropped=state.counters.items_dropped, late_samples=state.counters.late_samples,
+                    overflow_samples=state.counters.overflow_samples)
         if state.error:
             meta["error"] = state.error
         self._write_meta(meta)
