@@ -281,3 +281,41 @@ async def test_a_native_offer_asks_for_its_recording_from_the_start(tmp_path):
             assert json.loads(sidecar.read_text().splitlines()[1])["type"] == "session.created"
         finally:
             await client.close()
+
+
+async def test_a_whip_call_is_recorded_like_any_other(tmp_path):
+    async with running_server(recording={"enabled": True, "directory": str(tmp_path)}) as (url, app):
+        client = RtcClient(url)
+        try:
+            offer = await client.make_offer()
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/whip", data=offer, headers={"Content-Type": "application/sdp"}) as resp:
+                    assert resp.status == 201, await resp.text()
+                    location, answer = resp.headers["Location"], await resp.text()
+                await client.accept_answer(answer, timeout=30)
+                client.mic.feed(TONE)
+                await client.wait_sent(len(TONE))
+                (session_id,) = [sid for sid in app_calls(app)]
+                async with http.delete(f"{url}{location}") as resp:
+                    assert resp.status == 200
+                folder = tmp_path / session_id
+                await wait_until(lambda: json.loads((folder / "meta.json").read_text())["status"] == "complete",
+                                 60, "the recording to be finished")
+                recording = f"{url}/v1/sessions/{session_id}/recording"
+                async with http.get(recording) as resp:
+                    assert resp.status == 401
+                # The WHIP resource is the client's capability: its id opens the call's recording.
+                whip_secret = {"Authorization": f"Bearer {location.rsplit('/', 1)[1]}"}
+                async with http.get(recording, headers=whip_secret) as resp:
+                    assert resp.status == 200
+                    audio = decode(await resp.read())
+            assert np.max(np.abs(audio[:, 0])) > 0.1
+            assert json.loads((folder / "meta.json").read_text())["transport"] == "webrtc"
+        finally:
+            await client.close()
+
+
+def app_calls(app) -> list[str]:
+    from lychee_rtc.server.app import REGISTRY_KEY
+
+    return list(app[REGISTRY_KEY].calls)

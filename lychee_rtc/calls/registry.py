@@ -103,7 +103,9 @@ class CallRegistry:
         self.metrics.active_sessions.set(len(self.calls))
         session.on_close = lambda reason: self._teardown(call, reason)
         if self.recordings is not None:
-            recording = CallRecording(self.recordings, self.settings.recording, session, call.token,
+            # A WHIP client holds no session token: its resource id is its secret, and opens its recording.
+            secret = getattr(call, "whip_resource", None) or call.token
+            recording = CallRecording(self.recordings, self.settings.recording, session, secret,
                                       call.snapshot().get("transport", "unknown"))
             session.recording = self.recording_of[session.id] = recording
             if self.settings.recording.enabled or record:

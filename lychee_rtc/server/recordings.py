@@ -1,9 +1,9 @@
 """Call recordings over HTTP: fetch, list, delete (docs/recording.md).
 
 ``GET /v1/sessions/{id}/recording`` (the Ogg/Opus audio: caller left, agent right) and
-``.../recording/events`` (the JSON-lines sidecar) open with the session's token or the server key,
-during the call (what has been written so far) and after it, when the session is gone: the
-recording keeps a hash of the token. ``DELETE`` on the recording removes it once the call has
+``.../recording/events`` (the JSON-lines sidecar) open with the session's token (a WHIP call's:
+its resource id) or the server key, during the call (what has been written so far) and after it,
+when the session is gone: the recording keeps a hash of the secret. ``DELETE`` on the recording removes it once the call has
 ended; ``GET /v1/recordings`` (server key) lists them.
 """
 
@@ -43,10 +43,8 @@ def _recording(request: web.Request) -> dict[str, Any] | web.Response:
     if meta is None:
         return http.error_response(404, "recording_not_found", f"no recording of session {session_id!r}")
     server_key = routes.settings.server.auth_token
-    call = routes.registry.calls.get(session_id)
-    if call is not None:
-        allowed = auth.may_use_session(request, call.token, server_key)
-    elif meta.get("token_sha256"):
+    # The recording keeps a hash of its call's secret: the same rule during the call and after it.
+    if meta.get("token_sha256"):
         allowed = store.token_matches(meta, auth.bearer(request)) or auth.is_admin(request, server_key)
     else:
         allowed = auth.has_server_key(request, server_key)
