@@ -127,3 +127,25 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+async def test_a_recording_that_cannot_be_written_is_reported_and_the_call_goes_on(tmp_path, utterance):
+    not_a_folder = tmp_path / "recordings"
+    not_a_folder.write_text("a file where the recordings' folder should be")
+    async with running_server(session=PATIENT_WINDOWS,
+                              recording={"enabled": True, "directory": str(not_a_folder)}) as (url, _):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            created = await client.wait_event("session.created", timeout=60)
+            assert created["session"]["recording"] == "failed"
+            client.mic.feed(np.concatenate([SILENCE, utterance, SILENCE]))
+            done = await client.wait_event("response.done", timeout=60)
+            assert done["response"]["status"] == "completed"  # the call went on, unrecorded
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as r:
+                    snapshot = await r.json()
+            assert snapshot["recording"]["state"] == "failed"
+            assert snapshot["recording"]["error"].startswith("FileExistsError")
+        finally:
+            await client.close()
