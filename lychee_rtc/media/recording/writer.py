@@ -5,7 +5,7 @@ loop only puts small items on a bounded queue (``recorder.CallRecorder``). Audio
 ``LATENCY_S`` behind real time, which is how long a chunk may arrive after its place on the clock
 (the caller's jitter, the carrier's lead) and still be recorded; the Ogg muxer closes a page every
 ``PAGE_S`` and each page is handed to the kernel at once, so a process killed at any moment leaves
-a file that plays up to at most ``LATENCY_S + PAGE_S`` plus one encoded block (< 2 s) before the kill.
+a file that plays up to ``LATENCY_S + PAGE_S`` plus one encoded block (about 1 s) before the kill.
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ from lychee_rtc.media.recording.timeline import CHANNELS, RATE, ChannelPlacer, M
 
 log = logging.getLogger(__name__)
 
-LATENCY_S = 0.6
-PAGE_S = 0.5
+# A WebRTC frame sent up to 0.2 s late (rtc.outbound's catch-up bound) and a caller chunk placed by
+# its least-delayed arrival (up to timeline.TOLERANCE_S before its own) still find their place.
+LATENCY_S = 0.4
+PAGE_S = 0.25
+# Items taken off the queue before writing out: the backlog first, so none of it arrives late.
+DRAIN_ITEMS = 500
 FRAME = RATE // 50  # Opus's 20 ms: written out in whole frames
 # Encoded in blocks of this many frames (200 ms): each block shifts the placement buffer once.
 BLOCK_FRAMES = 10
@@ -97,11 +101,11 @@ class RecordingWriter(threading.Thread):
             self._open()
             while True:
                 try:
-                    item = self.queue.get(timeout=0.2)
+                    self._handle(self.queue.get(timeout=0.2))
+                    for _ in range(DRAIN_ITEMS):
+                        self._handle(self.queue.get_nowait())
                 except queue.Empty:
-                    item = None
-                if item is not None and self.state.status == "recording":
-                    self._handle(item)
+                    pass
                 if self._close_at is not None:
                     self._close(self._close_at)
                     break
