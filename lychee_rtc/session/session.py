@@ -223,7 +223,11 @@ class DuplexSession:
 
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
         if not self.closed:
-            self._record_caller(fill if fill is not None and len(fill) == n else np.zeros(n, np.float32))
+            if self.recording is not None and self.recording.tap is not None:
+                lost = np.zeros(n, np.float32)  # the lost time keeps its place: concealment, then silence
+                if fill is not None:
+                    lost[:min(n, len(fill))] = fill[:n]
+                self._record_caller(lost)
             self.uplink.gap(n, now, fill)
 
     def _record_caller(self, samples: np.ndarray) -> None:
