@@ -149,3 +149,33 @@ async def test_a_recording_that_cannot_be_written_is_reported_and_the_call_goes_
             assert snapshot["recording"]["error"].startswith("FileExistsError")
         finally:
             await client.close()
+
+
+async def test_the_caller_channel_keeps_its_time_through_packet_loss(tmp_path, long_utterance):
+    from lychee_rtc.bench.client import LinkImpairment
+
+    async with running_server(session=PATIENT_WINDOWS, recording={"enabled": True, "directory": str(tmp_path)}) as (url, _):
+        client = RtcClient(url)
+        await client.connect()
+        impairment = LinkImpairment(loss=0.08, seed=3)
+        client.impair_uplink(impairment)
+        try:
+            sent = np.concatenate([SILENCE, long_utterance, SILENCE])
+            client.mic.feed(sent)
+            await client.wait_sent(len(sent))
+            assert impairment.dropped >= 10
+            async with aiohttp.ClientSession() as http:
+                async with http.delete(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as r:
+                    assert r.status == 200
+            audio, _ = await fetch_recording(url, client.session_id, client.auth_headers)
+        finally:
+            await client.close()
+
+    caller = audio[:, 0]
+    lag = lag_of(np.concatenate([sent, np.zeros(len(caller))]), caller)
+    # Lost packets keep their time (concealed, then silence): the utterance is neither shorter nor
+    # shifted in the recording, so it still lines up with what was said from start to end.
+    assert correlation_at(sent, caller, lag) > 0.8
+    said_end = last_sound_before(sent, len(sent), threshold=0.01)
+    recorded_end = last_sound_before(caller, lag + len(sent), threshold=0.01)
+    assert abs(recorded_end - (said_end + lag)) <= 2 * FRAME, (recorded_end, said_end + lag)
