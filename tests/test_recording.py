@@ -137,16 +137,19 @@ async def test_a_recording_that_cannot_be_written_is_reported_and_the_call_goes_
         client = RtcClient(url)
         await client.connect()
         try:
-            created = await client.wait_event("session.created", timeout=60)
-            assert created["session"]["recording"] == "failed"
+            await client.wait_event("session.created", timeout=60)
+            async with aiohttp.ClientSession() as http:
+                async def recording_state() -> dict:
+                    async with http.get(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as r:
+                        return (await r.json())["recording"]
+
+                # Found out on the writer's thread (no disk I/O on the event loop), reported at once.
+                await wait_until(lambda: _failed(recording_state()), 30, "the recording to report its failure")
+                state = await recording_state()
+            assert state["error"].startswith("FileExistsError")
             client.mic.feed(np.concatenate([SILENCE, utterance, SILENCE]))
             done = await client.wait_event("response.done", timeout=60)
             assert done["response"]["status"] == "completed"  # the call went on, unrecorded
-            async with aiohttp.ClientSession() as http:
-                async with http.get(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as r:
-                    snapshot = await r.json()
-            assert snapshot["recording"]["state"] == "failed"
-            assert snapshot["recording"]["error"].startswith("FileExistsError")
         finally:
             await client.close()
 
@@ -179,3 +182,7 @@ async def test_the_caller_channel_keeps_its_time_through_packet_loss(tmp_path, l
     said_end = last_sound_before(sent, len(sent), threshold=0.01)
     recorded_end = last_sound_before(caller, lag + len(sent), threshold=0.01)
     assert abs(recorded_end - (said_end + lag)) <= 2 * FRAME, (recorded_end, said_end + lag)
+
+
+async def _failed(state) -> bool:
+    return (await state)["state"] == "failed"

@@ -34,12 +34,12 @@ class _Routes:
 ROUTES_KEY = web.AppKey("recordings", _Routes)
 
 
-def _recording(request: web.Request) -> dict[str, Any] | web.Response:
+async def _recording(request: web.Request) -> dict[str, Any] | web.Response:
     """The meta of the recording named in the path, if the request may open it."""
     routes = request.app[ROUTES_KEY]
     store = routes.store
     session_id = request.match_info["session_id"]
-    meta = store.meta(session_id)
+    meta = await asyncio.to_thread(store.meta, session_id)  # file reads stay off the event loop
     if meta is None:
         return http.error_response(404, "recording_not_found", f"no recording of session {session_id!r}")
     server_key = routes.settings.server.auth_token
@@ -54,10 +54,10 @@ def _recording(request: web.Request) -> dict[str, Any] | web.Response:
 
 
 async def _file(request: web.Request, name: str, content_type: str) -> web.StreamResponse:
-    meta = _recording(request)
+    meta = await _recording(request)
     if isinstance(meta, web.Response):
         return meta
-    path = request.app[ROUTES_KEY].store.path(meta["session_id"], name)
+    path = await asyncio.to_thread(request.app[ROUTES_KEY].store.path, meta["session_id"], name)
     if path is None:
         return http.error_response(404, "recording_not_found", f"recording of {meta['session_id']!r} has no {name}")
     # What has been written so far while the call goes on; the whole file once it has ended.
@@ -76,7 +76,7 @@ async def get_events(request: web.Request) -> web.StreamResponse:
 
 @auth.policy(Policy.SESSION)
 async def delete_recording(request: web.Request) -> web.Response:
-    meta = _recording(request)
+    meta = await _recording(request)
     if isinstance(meta, web.Response):
         return meta
     try:

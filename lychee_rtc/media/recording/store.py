@@ -10,6 +10,7 @@ progress.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -74,29 +75,34 @@ class RecordingStore:
         if not _ID.match(session_id):
             raise ValueError(f"not a session id: {session_id!r}")
         folder = self.directory / session_id
-        self.directory.mkdir(parents=True, exist_ok=True)
-        folder.mkdir(exist_ok=False)
         t0 = self.clock()
         wall = time.time()
         meta = {"session_id": session_id, "status": "recording", "started_at": wall, "ended_at": None,
                 "duration_s": None, "bytes": 0, "token_sha256": token_hash(token) if token else None,
                 "audio": AUDIO_FILE, "events": EVENTS_FILE, "channels": ["caller", "agent"], "rate": 48000,
                 **header}
-        self._write_meta(meta)
         writer = RecordingWriter(folder / AUDIO_FILE, folder / EVENTS_FILE, t0, self.settings.bitrate,
                                  self.settings.queue_items, self.clock,
-                                 on_done=lambda state: self._finished(session_id, state))
+                                 on_done=lambda state: self._finished(session_id, state),
+                                 prepare=lambda: self._create(folder, meta))
         recorder = CallRecorder(session_id, writer, self.clock, wall)
         self.active[session_id] = recorder
         recorder.start({"session_id": session_id, "started_at": wall, "rate": 48000,
                         "channels": ["caller", "agent"], **header})
         return recorder
 
+    def _create(self, folder: Path, meta: dict[str, Any]) -> None:
+        """On the writer's thread, before anything else: a disk that hangs holds up that thread only."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(exist_ok=False)
+        self._write_meta(meta)
+
     def _finished(self, session_id: str, state: WriterState) -> None:
         """On the writer's thread, once its files are closed."""
         recorder = self.active.get(session_id)
         try:
-            self._write_final_meta(session_id, state)
+            if self.meta(session_id) is not None:  # nothing to describe when the folder was never made
+                self._write_final_meta(session_id, state)
         except OSError as exc:
             log.error("recording %s: cannot write its meta file: %s", session_id, exc)
         self.active.pop(session_id, None)
@@ -159,8 +165,6 @@ class RecordingStore:
 
     @staticmethod
     def token_matches(meta: dict[str, Any], token: str | None) -> bool:
-        import hmac
-
         want = meta.get("token_sha256")
         return bool(want and token and hmac.compare_digest(want, token_hash(token)))
 

@@ -58,7 +58,8 @@ class RecordingWriter(threading.Thread):
 
     def __init__(self, audio_path: Path, events_path: Path, t0: float, bitrate: int, max_queue: int,
                  clock: Callable[[], float] = time.monotonic,
-                 on_done: Callable[[WriterState], None] | None = None) -> None:
+                 on_done: Callable[[WriterState], None] | None = None,
+                 prepare: Callable[[], None] | None = None) -> None:
         super().__init__(name=f"recording-{audio_path.parent.name}", daemon=True)
         self.audio_path = audio_path
         self.events_path = events_path
@@ -68,6 +69,7 @@ class RecordingWriter(threading.Thread):
         self.state = WriterState()
         self.queue: queue.Queue[tuple] = queue.Queue(max_queue)
         self._on_done = on_done
+        self._prepare = prepare  # run first on the thread (the folder and its meta): no disk I/O on the loop
         self._buffer = MixBuffer(int(BUFFER_S * RATE), self.state.counters)
         self._placers = [ChannelPlacer(i, self.state.counters) for i in range(len(CHANNELS))]
         self._audio_file: BinaryIO | None = None
@@ -123,6 +125,8 @@ class RecordingWriter(threading.Thread):
                     log.exception("recording %s: completion hook failed", self.audio_path.parent.name)
 
     def _open(self) -> None:
+        if self._prepare is not None:
+            self._prepare()
         self._audio_file = open(self.audio_path, "wb")
         self._events_file = open(self.events_path, "w", encoding="utf-8")
         # flush_packets hands every finished page to the kernel at once: a SIGKILL loses nothing written.
