@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "telephony": ("lychee_rtc.bench.telephony", "mouth-to-ear of a phone call through the carrier WebSocket (loopback engine)"),
     "soak": ("lychee_rtc.bench.soak", "calls that come and go for minutes; server memory, threads and fds over time"),
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),
+    "recording": ("lychee_rtc.bench.recording", "CPU and disk per recorded call-minute (Ogg/Opus + sidecar)"),
     "e2e": ("lychee_rtc.bench.e2e", "N callers speaking recorded utterances through the server (lychee profile)"),
 }
 
