@@ -130,7 +130,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
             # RTP has no playout receipts: a frame is heard as it leaves, in its slot of the send
             # schedule (the clock its RTP timestamps keep, also when a stalled frame goes out late).
             assert self._t0 is not None
-            self.sent_tap.agent_sent(pcm, self.out_rate, self._t0 + self._frame_index * FRAME_MS / 1000)
+            self.sent_tap.agent_sent(pcm, self.out_rate, self._t0 + self._frame_index * self.frame_ms / 1000)
         self._frame_index += 1
         self.counters.frames += 1
         if not marks and self.playout.playing is None:
