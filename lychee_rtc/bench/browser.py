@@ -177,18 +177,6 @@ async def _main(args: argparse.Namespace) -> int:
                   jitter_buffer_target_ms=args.jitter_buffer_target_ms,
                   utterance=Path(args.utterance) if args.utterance else None, threshold=args.threshold,
                   token=args.token or "", check_ms=args.self_check_ms)
-    if args.levers:
-        from lychee_rtc.bench.levers import levers_table, measure_levers
-
-        rows = await measure_levers(run, args.rounds, chromium=args.chromium)
-        table = levers_table(rows)
-        text = json.dumps({"levers": rows, "rounds": args.rounds, "probes_per_call": run.probes,
-                           "interval_ms": run.interval_ms, "table": table}, indent=2)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(text + "\n")
-        print(table, file=sys.stderr)
-        return 0
     if args.compare:
         rows = await compare(run, seed=args.seed, chromium=args.chromium)
         table = comparison_table(rows)
@@ -243,11 +231,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true",
                    help="clean, 2 %% and 5 %% loss and 40 ms jitter, for lychee-rtc and the plain aiortc relay, "
                         "in one run through the impaired path; prints the runs and a table")
-    p.add_argument("--levers", action="store_true",
-                   help="the latency levers (10 ms packets each way, the loopback window, the page's "
-                        "jitterBufferTarget) against the default and the plain aiortc relay, --rounds calls "
-                        "each, round-robin; prints a table (lychee_rtc/bench/levers.py)")
-    p.add_argument("--rounds", type=int, default=6, help="--levers: calls per lever (default 6)")
     p.add_argument("--mode", choices=["loopback", "response"], default="loopback")
     p.add_argument("--probes", type=int, default=50, help="probes (response mode: utterances) (default 50)")
     p.add_argument("--interval-ms", type=float, default=500.0, help="between probes (default 500)")

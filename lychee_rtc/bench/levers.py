@@ -1,4 +1,4 @@
-"""``lychee-rtc bench browser --levers``: what each latency lever does to mouth-to-ear in a browser.
+"""``lychee-rtc bench levers``: what each latency lever does to mouth-to-ear in a browser.
 
 Each lever is a server of its own (the loopback profile with one change, through the
 ``LYCHEE_RTC_*`` environment) or a page setting, and the plain aiortc relay runs beside them for
@@ -14,10 +14,14 @@ time and RTP bit rate each way (the page's ``transport``) and the server's CPU p
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 import statistics
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from lychee_rtc.bench.browser import CHROMIUM, PageRun, measure
@@ -123,3 +127,28 @@ def levers_table(rows: list[dict[str, Any]]) -> str:
                      f"| {r['uplink_packet_ms']} / {r['downlink_packet_ms']} "
                      f"| {r['uplink_rtp_kbps']} / {r['downlink_rtp_kbps']} | {r['server_cpu_percent']} |")
     return "\n".join(lines)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    run = PageRun(probes=args.probes, interval_ms=args.interval_ms)
+    rows = await measure_levers(run, args.rounds, chromium=args.chromium)
+    table = levers_table(rows)
+    text = json.dumps({"levers": rows, "rounds": args.rounds, "probes_per_call": run.probes,
+                       "interval_ms": run.interval_ms, "table": table}, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(table, file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("levers", help="each latency lever against the default and the plain aiortc relay, "
+                                      "in headless Chromium; prints a table",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=6, help="calls per lever, round-robin (default 6)")
+    p.add_argument("--probes", type=int, default=12, help="probes per call (default 12)")
+    p.add_argument("--interval-ms", type=float, default=300.0, help="between probes (default 300)")
+    p.add_argument("--chromium", default=CHROMIUM, help=f"the Chromium executable (default {CHROMIUM})")
+    p.add_argument("--json", help="also write the result here")
+    p.set_defaults(func=_main)
