@@ -317,7 +317,7 @@ class JanusSipGateway:
                 await self.registry.close(call.session.id, "caller_hangup")
                 return
             await api.message(line.handle_id, {"request": "accept"},
-                              {"type": "answer", "sdp": call.pc.localDescription.sdp, "trickle": False})
+                              {"type": "answer", "sdp": call.answer_sdp, "trickle": False})
             self.counters.answered += 1
             log.info("SIP gateway: call %s from %s answered by session %s", line.sip_call_id, origin["caller"],
                      call.session.id)

@@ -28,6 +28,7 @@ from lychee_rtc.rtc.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_e
 from lychee_rtc.rtc.inbound import consume_audio, drain
 from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
+from lychee_rtc.rtc.packet_time import with_ptime
 from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers
 from lychee_rtc.rtc.sctp_guard import SctpGuard
 from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
@@ -76,15 +77,17 @@ class RtcNegotiator:
     # --- offer / answer ----------------------------------------------------------------------------
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
-                     metrics: bool = False, origin: dict[str, Any] | None = None,
+                     metrics: bool = False, origin: dict[str, Any] | None = None, record: bool = False,
                      processing: dict[str, bool] | None = None) -> RtcCall:
         """``origin``: where the call came from when a connector places it (a SIP gateway's caller);
+        ``record``: the client asked for a recording from the start (its route checked that it may);
         ``processing``: uplink processing asked for on top of the ingress's defaults (``audio_processing``)."""
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
             call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin,
                                        processing)
+            self.registry.register(call, record=record)
         if self.registry.closing:  # shutdown began while this offer was being answered
             await self.registry.close(call.session.id, "server_shutdown")
             raise ServerFull(self.settings.session.retry_after_s)
@@ -103,13 +106,12 @@ class RtcNegotiator:
         self._calls[session.id] = call
         if call.whip_resource is not None:
             self._whip_resources[call.whip_resource] = session.id
-        self.registry.register(call)
         return call
 
     def _new_track(self) -> PacedAudioTrack:
         caps = self.registry.engine.capabilities
         return PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
-                               live=caps.live_passthrough)
+                               live=caps.live_passthrough, frame_ms=self.settings.rtc.send_frame_ms)
 
     async def _negotiate(self, call: RtcCall, offer_sdp: str) -> None:
         """Answer ``offer_sdp`` on ``call.pc`` with ``call.track``; on failure the peer is abandoned."""
@@ -146,6 +148,8 @@ class RtcNegotiator:
         call.codec = codec[0]
         track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
         call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
+        ptime = self.settings.rtc.receive_ptime_ms
+        call.answer_sdp = with_ptime(pc.localDescription.sdp, ptime) if ptime else pc.localDescription.sdp
         call.negotiated_at = time.monotonic()
 
     # --- resuming ----------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from lychee_rtc.rtc.call import RtcCall
 from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.rtc.trickle import add_remote_candidates
-from lychee_rtc.server import auth, http
+from lychee_rtc.media.recording.store import RecordingStore
+from lychee_rtc.server import auth, http, recordings
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.openai import routes as realtime
@@ -126,16 +127,21 @@ async def offer(request: web.Request) -> web.Response:
     if options.voice is not None and options.voice not in voices:
         choice = f"one of {list(voices)}" if voices else "not selectable with this engine"
         return http.error_response(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
+    record = bool((raw_session or {}).get("recording", False))
+    if record and not request.app[SETTINGS_KEY].recording.client_control:
+        return http.error_response(400, "recording_not_allowed",
+                                   "session/recording: this server decides what is recorded (recording.client_control)")
     processing = (raw_session or {}).get("audio_processing")
     try:
-        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics, processing=processing)
+        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics, record=record,
+                                                 processing=processing)
     except ServerFull as exc:
         return http.server_full(exc)
     except ProcessingUnavailable as exc:
         return http.error_response(400, "audio_processing_unavailable", f"session/audio_processing: {exc}")
     except SdpError as exc:
         return http.sdp_refused(exc)
-    return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+    return http.json_response({"sdp": call.answer_sdp, "type": "answer",
                                "session_id": call.session.id, "session_token": call.token})
 
 
@@ -159,7 +165,7 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
         return http.error_response(exc.status, exc.code, exc.message)
     except SdpError as exc:
         return http.sdp_refused(exc)
-    return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+    return http.json_response({"sdp": call.answer_sdp, "type": "answer",
                                "session_id": call.session.id, "session_token": call.token})
 
 
@@ -175,7 +181,7 @@ async def whip_post(request: web.Request) -> web.Response:
         return http.sdp_refused(exc)
     location = f"/whip/{call.whip_resource}"
     headers = {"Location": location, **_whip_headers(call)}
-    response = web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
+    response = web.Response(status=201, text=call.answer_sdp, content_type="application/sdp",
                             headers=headers)
     for link in _ice_links(request.app[SETTINGS_KEY]):
         response.headers.add("Link", link)
@@ -305,7 +311,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = call_metrics
-    registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics)
+    store = RecordingStore(settings.recording)
+    registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics, store)
     profile = RealtimeProfile.build(settings, engine.capabilities)
     # What a WebRTC data channel speaks, by its label: the transport is handed this, not the dialects.
     dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
@@ -348,4 +355,5 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
+    recordings.install(app, store, registry, settings)
     return app

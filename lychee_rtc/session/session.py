@@ -30,6 +30,7 @@ from lychee_rtc.session.message_rate import MessageRate
 from lychee_rtc.session.observer import SessionCounters, SessionObserver
 from lychee_rtc.session.processing import ProcessingUnavailable, UplinkProcessing
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError, error_body
+from lychee_rtc.session.recording import RecordingControl
 from lychee_rtc.session.responses import Responses
 from lychee_rtc.session.sink import AudioSink
 from lychee_rtc.session.window_input import WindowInput
@@ -95,6 +96,8 @@ class DuplexSession:
         self._tasks: list[asyncio.Task] = []
         self._deferred_listen: tuple[str, dict[str, float] | None] | None = None
         self._message_rate = MessageRate(clock())
+        # The call's recording, when the server records (calls.recording); None: it never can.
+        self.recording: RecordingControl | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -159,6 +162,7 @@ class DuplexSession:
             "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
             **({"origin": self.origin} if self.origin else {}),
             **({"audio_processing": self.processing.describe()} if self.processing is not None else {}),
+            **({"recording": self.recording.state()} if self.recording is not None else {}),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -174,6 +178,7 @@ class DuplexSession:
             **({"audio_processing": self.processing.describe()} if self.processing is not None else {}),
             "active_response": self.responses.active,
             "age_s": round(self.clock() - self.created_at, 3),
+            **({"recording": self.recording.snapshot()} if self.recording is not None else {}),
             "counters": {
                 **asdict(self.counters),
                 **asdict(self.events.counters),
@@ -202,6 +207,8 @@ class DuplexSession:
         """A new transport plays the audio from now on, starting at the current epoch."""
         sink.cut(self.epoch)
         self.sink = sink
+        if self.recording is not None:
+            self.recording.rebind(sink)
         self.uplink.resync()
 
     def resume_channel(self, channel: EventChannel, last_seq: int) -> None:
@@ -220,6 +227,7 @@ class DuplexSession:
         if self.closed:
             return
         self.counters.input_samples += len(samples)
+        self._record_caller(samples)  # what the caller sent, before the uplink's processing
         if self.processing is not None:
             samples = self.processing.process(samples)
         self.uplink.audio(samples, now)
@@ -227,12 +235,23 @@ class DuplexSession:
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
         if self.closed:
             return
+        if self.recording is not None and self.recording.tap is not None:
+            lost = np.zeros(n, np.float32)  # the lost time keeps its place: concealment, then silence
+            if fill is not None:
+                lost[:min(n, len(fill))] = fill[:n]
+            self._record_caller(lost)
         if self.processing is not None and n > 0:
             concealed = np.zeros(n, np.float32) if fill is None else np.pad(fill, (0, max(0, n - len(fill))))[:n]
             held, fill = self.processing.process_gap(concealed)
             if len(held):
                 self.uplink.audio(held, now)
         self.uplink.gap(n, now, fill)
+
+    def _record_caller(self, samples: np.ndarray) -> None:
+        """The recording's caller tap: concealed audio as it enters, before anything processes it."""
+        tap = self.recording.tap if self.recording is not None else None
+        if tap is not None:
+            tap.caller_audio(samples, self.capabilities.input_rate)
 
     def _push_window(self, window: Window) -> None:
         self.slot.push(window.samples, window.seq, self.epoch)
@@ -344,6 +363,10 @@ class DuplexSession:
             raise ProtocolError("invalid_voice", f"engine {self.engine_name!r} has no selectable voices", event_id)
         if "audio_processing" in fields:  # first: refused, it changes nothing else either
             self._configure_processing(fields["audio_processing"], event_id)
+        if "recording" in fields:
+            if self.recording is None:
+                raise ProtocolError("recording_unavailable", "this server does not record calls", event_id)
+            self.recording.set_recording(bool(fields["recording"]), event_id)
         effect: InstructionsEffect = "unchanged"
         changes = {k: fields[k] for k in ("voice", "temperature", "seed", "instructions") if k in fields}
         if "instructions" in changes and changes["instructions"] != self.options.instructions:

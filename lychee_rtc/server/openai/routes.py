@@ -157,8 +157,12 @@ async def create_call(request: web.Request) -> web.Response:
         request_cfg = read_session_config(config, surface.profile)
     except ProtocolError as exc:
         return error(400, exc.code, exc.message, param="session")
+    record = bool(request_cfg.changes.get("recording", False))
+    if record and not surface.settings.recording.client_control:
+        return error(400, "recording_not_allowed", "this server decides what is recorded: recording.client_control "
+                     "is off", param="session.lychee_rtc.recording")
     try:
-        call = await surface.rtc.create(sdp, session_options(request_cfg),
+        call = await surface.rtc.create(sdp, session_options(request_cfg), record=record,
                                         processing=requested_processing(request_cfg))
     except ServerFull as exc:
         return http.server_full(exc, param=None)
@@ -166,7 +170,7 @@ async def create_call(request: web.Request) -> web.Response:
         return error(400, "audio_processing_unavailable", str(exc), param="session.audio.input.noise_reduction")
     except SdpError as exc:
         return http.sdp_refused(exc, param="sdp")
-    return web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
+    return web.Response(status=201, text=call.answer_sdp, content_type="application/sdp",
                         headers={"Location": f"{CALLS_PATH}/{call.session.id}"})
 
 

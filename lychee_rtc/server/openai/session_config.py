@@ -19,7 +19,7 @@ from lychee_rtc.session.protocol import ProtocolError, validator
 PCM_24K = {"type": "audio/pcm", "rate": 24000}
 # Fields read into options rather than compared (``expires_after`` belongs to a client secret request).
 HANDLED = {("type",), ("instructions",), ("audio", "output", "voice"), ("audio", "input", "noise_reduction"),
-           ("expires_after",)}
+           ("expires_after",), ("lychee_rtc", "recording")}
 # GA ``audio.input.noise_reduction`` as the uplink's processing stages (``audio_processing``): a
 # near-field microphone (headset, handset) has noise but no loudspeaker beside it; a far-field one
 # (laptop, speakerphone, room) hears the agent too. Gain control is left as it is.
@@ -135,6 +135,14 @@ def read_session_config(raw: Any, profile: RealtimeProfile, event_id: str | None
     if "noise_reduction" in audio_input:
         wanted = audio_input["noise_reduction"]
         changes["audio_processing"] = dict(NOISE_REDUCTION[None if wanted is None else wanted["type"]])
+    extension = raw.get("lychee_rtc", _MISSING)
+    if extension is not _MISSING:
+        # OpenAI's Realtime API has no recording switch: this server's own field (docs/recording.md).
+        if not isinstance(extension, dict) or not isinstance(extension.get("recording", False), bool):
+            raise ProtocolError("invalid_session", "session.lychee_rtc must be an object whose `recording` is a "
+                                "boolean", event_id)
+        if "recording" in extension:
+            changes["recording"] = extension["recording"]
     actual = render_session(profile, session_id=None, instructions=None, voice=None, expires_at=None)
     ignored += _differences(raw, actual, ())
     return SessionRequest(changes, tuple(ignored))
