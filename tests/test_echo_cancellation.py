@@ -9,12 +9,16 @@ speaks for more than a minute without interrupting itself, and the caller can st
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from conftest import PATIENT_WINDOWS, running_server, synthesize
+from telephony_support import EventStream, carrier, spec
+from test_telephony import at_rate, phone_server
 
 from lychee_rtc.bench.client import RATE
-from lychee_rtc.bench.speakerphone import RoomSetup, rms, speakerphone_client
+from lychee_rtc.bench.speakerphone import CarrierSpeakerphone, RoomSetup, rms, speakerphone_client
 
 ROOM = RoomSetup(echo_db=0.0, delay_ms=120.0, snr_db=25.0)
 QUESTION = "Hello there. This is a test of the echo engine, one two three."  # about 4 s
@@ -86,3 +90,39 @@ async def test_with_processing_a_minute_of_speech_without_self_interruption_and_
             assert done["response"]["status_details"]["reason"] == "barge_in"
         finally:
             await client.close()
+
+
+@pytest.mark.parametrize("processing", [False, True], ids=["unprocessed", "carrier_default"])
+async def test_a_phone_on_speaker_behind_a_carrier(processing):
+    """The same room behind a carrier (Twilio's frames, 8 kHz mu-law): the reference is what the
+    pacer sent, ahead by the carrier's lead, and what a flush took back is not in it."""
+    question, _ = speech()
+    question = at_rate(question, 8000)
+    profile = {} if processing else {"audio_processing": {"carrier": {"echo_cancellation": False}}}
+    async with phone_server(engine={"echo": {"answer_repeats": 4}}, session=PATIENT_WINDOWS, **profile) as (url, _):
+        phone = carrier(url, "twilio")
+        await phone.connect()
+        events = EventStream(url, spec("twilio")["call_id"])
+        room = CarrierSpeakerphone(phone, ROOM)
+        mic = asyncio.create_task(room.run())
+        try:
+            await events.connect()
+            active = (await events.wait("session.created"))["session"]["audio_processing"]
+            assert active["echo_cancellation"] is processing
+            room.say(np.zeros(4000, np.float32))
+            room.say(question)
+            started = await events.wait("response.created", timeout=60)
+            done = await events.wait("response.done", timeout=120, response_id=started["response_id"])
+            assert room.echo_energy > 0
+            after = events.events.index(started)
+            heard_itself = [e for e in events.events[after:] if e["type"] == "input_audio_buffer.speech_started"]
+            if processing:  # four times the question (about 15 s) as the caller heard it, uncut
+                assert done["response"]["status"] == "completed", "the agent interrupted itself"
+                assert not heard_itself
+                assert done["response"]["played_ms"] > 12_000
+            else:
+                assert done["response"]["status_details"]["reason"] == "barge_in"
+        finally:
+            mic.cancel()
+            await events.close()
+            await phone.close()

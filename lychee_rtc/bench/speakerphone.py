@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lychee_rtc.bench.carrier import CarrierEmulator
 from lychee_rtc.bench.client import FRAME, MicrophoneTrack, RtcClient
 
 # A furnished office and a phone on the desk: moderately absorbent walls, the loudspeaker half a
@@ -72,7 +73,7 @@ class EchoPath:
         self._tail = np.zeros(len(rir) - 1, np.float32)
         self._fifo: deque[np.ndarray] = deque([np.zeros(delay, np.float32)])
         self._queued = delay
-        self._limit = delay + int(MAX_ECHO_BUFFER_S * 48000)
+        self._limit = delay + int(MAX_ECHO_BUFFER_S * 48000)  # generous at any rate
 
     def hear(self, pcm: np.ndarray) -> None:
         """The loudspeaker plays ``pcm``."""
@@ -129,3 +130,77 @@ def speakerphone_client(base_url: str, setup: RoomSetup, rate: int = 48000) -> R
     client.mic = SpeakerphoneMic(path, noise)
     client.on_audio.append(path.hear)
     return client
+
+
+class CarrierSpeakerphone:
+    """A phone on speaker behind a carrier: the carrier emulator's playout (what it has played of the
+    server's audio, by its own play clock, cut where a flush cut it) goes through the room into the
+    caller's uplink, which is sent every frame, with the caller's queued speech and noise."""
+
+    def __init__(self, phone: CarrierEmulator, setup: RoomSetup) -> None:
+        self.phone = phone
+        self.rate = phone.rate
+        self.frame = phone.rate * phone.frame_ms // 1000
+        self.path = EchoPath(room_impulse_response(self.rate), 10 ** (setup.echo_db / 20),
+                             int(setup.delay_ms * self.rate / 1000))
+        self.noise = pink_noise(self.rate * 10) * setup.speech_rms * 10 ** (-setup.snr_db / 20)
+        self.echo_energy = 0.0
+        self._speech: deque[np.ndarray] = deque()
+        self._t0: float | None = None
+        self._rendered = 0  # loudspeaker samples rendered so far (from _t0)
+
+    def say(self, samples: np.ndarray) -> None:
+        """Queue the caller's speech (at the carrier's rate) behind what is queued."""
+        self._speech.append(np.asarray(samples, np.float32))
+
+    def _loudspeaker(self, until: float) -> np.ndarray:
+        """What the carrier's playout played from the last call up to ``until``."""
+        assert self._t0 is not None
+        end = int(round((until - self._t0) * self.rate))
+        out = np.zeros(max(0, end - self._rendered), np.float32)
+        for a in self.phone.log.audio[-200:]:
+            stop = a.play_start + len(a.samples) / self.rate
+            if a.cut_at is not None:
+                stop = min(stop, a.cut_at)
+            first = int(round((a.play_start - self._t0) * self.rate))
+            lo, hi = max(first, self._rendered), min(first + int(round((stop - a.play_start) * self.rate)), end)
+            if lo < hi:
+                out[lo - self._rendered:hi - self._rendered] = a.samples[lo - first:hi - first]
+        self._rendered = max(self._rendered, end)
+        return out
+
+    def _speech_frame(self) -> np.ndarray:
+        out = np.zeros(self.frame, np.float32)
+        pos = 0
+        while pos < self.frame and self._speech:
+            head = self._speech[0]
+            k = min(self.frame - pos, len(head))
+            out[pos:pos + k] = head[:k]
+            pos += k
+            if k == len(head):
+                self._speech.popleft()
+            else:
+                self._speech[0] = head[k:]
+        return out
+
+    async def run(self) -> None:
+        """Send the microphone, frame by frame in real time, until the call's socket closes."""
+        import asyncio
+        import time
+
+        self._t0 = time.monotonic()
+        k = 0
+        noise_pos = 0
+        while not self.phone.closed.is_set():
+            due = self._t0 + (k + 1) * self.frame / self.rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            played = self._loudspeaker(due)
+            self.path.hear(played)
+            echo = self.path.take(self.frame)
+            self.echo_energy += float(np.sum(np.square(echo, dtype=np.float64)))
+            idx = (noise_pos + np.arange(self.frame)) % len(self.noise)
+            noise_pos = (noise_pos + self.frame) % len(self.noise)
+            await self.phone.send_frame(np.clip(self._speech_frame() + echo + self.noise[idx], -1.0, 1.0))
+            k += 1
