@@ -87,7 +87,7 @@ async def test_browser_offers_start_without_and_change_it_with_session_update():
         client = RtcClient(url)
         await client.connect()
         try:
-            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            created = (await client.wait_event("session.created"))["session"]["audio_processing"]
             assert created == {"echo_cancellation": False, "noise_suppression": False, "high_pass_filter": False,
                                "auto_gain_control": False, "sample_rate": 16000}
             client.send({"type": "session.update", "session": {"audio_processing": {"noise_suppression": True}}})
@@ -113,7 +113,7 @@ async def test_an_offer_may_ask_for_processing_and_whip_has_it_by_default():
         await client.connect(session={"audio_processing": {"echo_cancellation": True}})
         pc = RTCPeerConnection()
         try:
-            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            created = (await client.wait_event("session.created"))["session"]["audio_processing"]
             assert created["echo_cancellation"] and not created["noise_suppression"]
             pc.addTransceiver("audio", direction="sendrecv")
             await pc.setLocalDescription(await pc.createOffer())
@@ -187,7 +187,7 @@ async def test_without_the_aec_extra_calls_run_unprocessed_and_asking_for_it_is_
         client = RtcClient(url)
         await client.connect()
         try:
-            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            created = (await client.wait_event("session.created"))["session"]["audio_processing"]
             assert created["echo_cancellation"] is False
             client.send({"type": "session.update", "event_id": "ns",
                          "session": {"audio_processing": {"noise_suppression": True}}})

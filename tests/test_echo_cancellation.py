@@ -46,7 +46,7 @@ async def test_without_processing_the_agent_interrupts_itself():
         client = speakerphone_client(url, ROOM)
         await client.connect()  # a browser's offer: no processing unless asked for
         try:
-            created = client.events_of("session.created")[0]["session"]["audio_processing"]
+            created = (await client.wait_event("session.created"))["session"]["audio_processing"]
             assert not created["echo_cancellation"] and not created["noise_suppression"]
             client.mic.feed(np.zeros(RATE // 2, np.float32))
             client.mic.feed(question)
@@ -68,7 +68,7 @@ async def test_with_processing_a_minute_of_speech_without_self_interruption_and_
         client = speakerphone_client(url, ROOM)
         await client.connect(session={"audio_processing": PHONE_LEG})
         try:
-            active = client.events_of("session.created")[0]["session"]["audio_processing"]
+            active = (await client.wait_event("session.created"))["session"]["audio_processing"]
             assert active["echo_cancellation"] and active["high_pass_filter"] and not active["noise_suppression"]
             client.mic.feed(np.zeros(RATE // 2, np.float32))
             client.mic.feed(question)

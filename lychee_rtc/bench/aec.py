@@ -75,6 +75,7 @@ def run_stage(settings: AudioProcessing, agent_tx: np.ndarray, tx_rate: int, mic
               chunk: int = 320) -> Run:
     """Drive a stage like a call: agent frames leave every 20 ms, the microphone arrives ``chunk`` at a time."""
     stage = AudioProcessingStage(RATE, settings)
+    stage.reference_continuous = tx_rate != 8000  # as the WebRTC track feeds it (a carrier: not)
     tx_frame = int(tx_rate * STEP_S)
     out: list[np.ndarray] = []
     frame_ms: list[float] = []

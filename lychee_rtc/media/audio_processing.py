@@ -15,9 +15,9 @@ processes: render and capture advance in lockstep, sample for sample, as they do
 stall that holds up both directions at once (a busy event loop, a network hiccup) does not move
 one against the other, which a canceller would take as a new echo path and relearn for seconds.
 What the transport sent ahead of the caller's playout waits in a queue: a carrier's lead (it plays
-what it was sent in real time), a frame of jitter for WebRTC. More than that standing for a second
-is dropped, so the reference never runs late; none there (a carrier sends nothing between answers)
-is silence. At an interruption the carrier flushes what it had not played, and the queue goes too.
+what it was sent in real time), and 40 ms against jitter for WebRTC, whose track sends all the time.
+More than that standing for a second is dropped, a frame at a time, so the reference never runs
+late; none there (a carrier sends nothing between answers) is silence. At an interruption the carrier flushes what it had not played, and the queue goes too.
 AEC3 finds the remaining delay (network, jitter buffers, the room) itself: measured with a 400 ms
 echo path (docs/benchmarks.md); its delay search reaches about half a second (docs/echo.md).
 """
@@ -38,11 +38,15 @@ FRAME_MS = 10  # the module processes exactly 10 ms at a time
 SUPPORTED_RATES = (8000, 16000, 32000, 48000)
 # Far end queued ahead of the uplink, at most (the oldest goes): a carrier's largest lead and more.
 MAX_REFERENCE_S = 2.0
-# What the reference may stand ahead of the uplink by default (WebRTC: a frame and jitter); a
-# transport that sends ahead of the caller's playout (a carrier's lead) allows more.
-DEFAULT_REFERENCE_LEAD_S = 0.06
-# A reference queue standing above its allowance this long is trimmed (a start, a stalled uplink).
+# Jitter between the two directions the reference queue absorbs: a sender that never pauses (the
+# WebRTC track) starts its reference this much behind, so a frame that leaves a little late does
+# not leave the canceller without one (which would shift the reference against the uplink). The
+# canceller then sees the echo path this much shorter than it is; no real one is that short.
+REFERENCE_JITTER_S = 0.04
+# A reference queue standing above its allowance this long is trimmed (a start, a stalled uplink):
+# a frame at a time, which the canceller follows without relearning, or at once when far off.
 LEAD_WINDOW_FRAMES = 100
+FAR_OFF_S = 0.1
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -78,7 +82,11 @@ class AudioProcessingStage:
         self.counters = ProcessingCounters()
         self.settings = AudioProcessing()
         self.unavailable: str | None = None  # why a stage that was asked for is not running
-        self.reference_lead_s = DEFAULT_REFERENCE_LEAD_S
+        # Set by the transport that feeds it (``EpochSink.attach_reference``): how far ahead of the
+        # caller's playout it sends, and whether it sends all the time (silence included).
+        self.reference_lead_s = 0.0
+        self.reference_continuous = False
+        self._referenced = False  # the first far end has come
         self._apm: Any = None
         self._frame_cls: Any = None
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
@@ -112,6 +120,7 @@ class AudioProcessingStage:
         self.unavailable = None
         self._reference = np.zeros(0, np.float32)
         self._depths.clear()
+        self._referenced = False
         return held
 
     def process(self, samples: np.ndarray) -> np.ndarray:
@@ -157,6 +166,9 @@ class AudioProcessingStage:
             if self._resampler is not None:
                 self._resampler.close()
             self._resampler = PcmResampler(rate, self.rate)
+        if not self._referenced and self.reference_continuous:
+            self._reference = np.zeros(int(REFERENCE_JITTER_S * self.rate), np.float32)
+        self._referenced = True
         self._reference = np.concatenate([self._reference, self._resampler.process(pcm)])
         excess = len(self._reference) - int(MAX_REFERENCE_S * self.rate)
         if excess > 0:  # bounded: the oldest goes (no uplink has come to use it)
@@ -181,10 +193,11 @@ class AudioProcessingStage:
     def _feed_reference(self) -> None:
         """One 10 ms frame of the far end for each 10 ms of uplink; silence if nothing left."""
         self._depths.append(len(self._reference))
-        allowed = int(self.reference_lead_s * self.rate) + self.frame
+        allowed = int((self.reference_lead_s + REFERENCE_JITTER_S) * self.rate) + self.frame
         if len(self._depths) == self._depths.maxlen and min(self._depths) > allowed:
             # Standing ahead for a whole window: the reference would reach the canceller late.
-            drop = min(self._depths) - allowed
+            excess = min(self._depths) - allowed
+            drop = excess if excess > FAR_OFF_S * self.rate else self.frame
             self._reference = self._reference[drop:]
             self.counters.reference_trimmed_s += drop / self.rate
             self._depths.clear()

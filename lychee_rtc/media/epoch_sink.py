@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lychee_rtc.media.audio_processing import DEFAULT_REFERENCE_LEAD_S, AudioProcessingStage
+from lychee_rtc.media.audio_processing import AudioProcessingStage
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
 from lychee_rtc.session.sink import CutReport
 
@@ -53,15 +53,17 @@ class EpochSink:
         # The session's uplink processing: told what left for the caller, as it leaves (its echo reference).
         self.reference: AudioProcessingStage | None = None
 
-    # How far ahead of the caller's playout this transport sends (the stage's reference may stand
-    # this much ahead of the uplink); a carrier's lead is more.
-    reference_lead_s = DEFAULT_REFERENCE_LEAD_S
+    # How far ahead of the caller's playout this transport sends (a carrier's lead), and whether it
+    # sends all the time, silence included (the WebRTC track): the stage's reference queue follows.
+    reference_lead_s = 0.0
+    reference_continuous = False
 
     def attach_reference(self, stage: AudioProcessingStage | None) -> None:
         """Feed ``stage`` what leaves for the caller from now on."""
         self.reference = stage
         if stage is not None:
             stage.reference_lead_s = self.reference_lead_s
+            stage.reference_continuous = self.reference_continuous
 
     def played(self, pcm: np.ndarray) -> None:
         """``pcm`` (at the transport's rate) has just left for the caller."""

@@ -45,6 +45,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
 
     kind = "audio"
     counters: TrackCounters
+    reference_continuous = True  # a frame every slot, silence included (EpochSink)
 
     def __init__(
         self,

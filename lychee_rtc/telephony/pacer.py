@@ -21,7 +21,6 @@ from typing import Callable
 
 from lychee_rtc.aio import wait_event
 from lychee_rtc.config import TelephonySettings
-from lychee_rtc.media.audio_processing import DEFAULT_REFERENCE_LEAD_S
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout, PlayoutMark
 from lychee_rtc.session.sink import CutReport
@@ -69,7 +68,7 @@ class CarrierPacer(EpochSink):
         super().__init__(EpochPlayout(in_rate, dialect.audio.rate, max_buffer_s), CarrierPacerCounters())
         self.frame_samples = dialect.audio.rate * dialect.frame_ms() // 1000
         # The carrier holds about the lead before playing it: the echo reference stands that far ahead.
-        self.reference_lead_s = DEFAULT_REFERENCE_LEAD_S + settings.lead_ms / 1000.0
+        self.reference_lead_s = settings.lead_ms / 1000.0
         self.marks_trusted = True  # False once the carrier has shown it does not echo marks
         self._clock = clock
         self._on_stalled = on_stalled
