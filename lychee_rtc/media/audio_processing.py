@@ -16,8 +16,7 @@ stall that holds up both directions at once (a busy event loop, a network hiccup
 one against the other, which a canceller would take as a new echo path and relearn for seconds.
 What the transport sent ahead of the caller's playout waits in a queue: a carrier's lead (it plays
 what it was sent in real time), and 40 ms against jitter for WebRTC, whose track sends all the time.
-More than that standing for a second is dropped, a frame at a time, so the reference never runs
-late; none there (a carrier sends nothing between answers) is silence. At an interruption the carrier flushes what it had not played, and the queue goes too.
+More than that standing for half a second is dropped, so the reference never runs late; none there (a carrier sends nothing between answers) is silence. At an interruption the carrier flushes what it had not played, and the queue goes too.
 AEC3 finds the remaining delay (network, jitter buffers, the room) itself: measured with a 400 ms
 echo path (docs/benchmarks.md); its delay search reaches about half a second (docs/echo.md).
 """
@@ -43,10 +42,9 @@ MAX_REFERENCE_S = 2.0
 # not leave the canceller without one (which would shift the reference against the uplink). The
 # canceller then sees the echo path this much shorter than it is; no real one is that short.
 REFERENCE_JITTER_S = 0.04
-# A reference queue standing above its allowance this long is trimmed (a start, a stalled uplink):
-# a frame at a time, which the canceller follows without relearning, or at once when far off.
-LEAD_WINDOW_FRAMES = 100
-FAR_OFF_S = 0.1
+# A reference queue standing above its allowance this long is trimmed back to it (the two
+# directions started apart, the uplink caught up after a stall): the reference must not run late.
+LEAD_WINDOW_FRAMES = 50
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -196,8 +194,7 @@ class AudioProcessingStage:
         allowed = int((self.reference_lead_s + REFERENCE_JITTER_S) * self.rate) + self.frame
         if len(self._depths) == self._depths.maxlen and min(self._depths) > allowed:
             # Standing ahead for a whole window: the reference would reach the canceller late.
-            excess = min(self._depths) - allowed
-            drop = excess if excess > FAR_OFF_S * self.rate else self.frame
+            drop = min(self._depths) - allowed + self.frame
             self._reference = self._reference[drop:]
             self.counters.reference_trimmed_s += drop / self.rate
             self._depths.clear()
