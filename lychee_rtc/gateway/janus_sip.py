@@ -23,7 +23,9 @@ from lychee_rtc.config import JanusGatewaySettings
 from lychee_rtc.engine.base import DTMF_DIGITS
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
+from lychee_rtc.gateway.dialer import Dialer
 from lychee_rtc.gateway.janus_api import JanusApi, JanusError
+from lychee_rtc.gateway.line import Line
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 
@@ -56,19 +58,6 @@ def dtmf_from_info(content_type: str, content: str) -> str | None:
 
 
 @dataclass
-class Line:
-    """One Janus SIP plugin handle: at most one call at a time."""
-
-    handle_id: int
-    helper: bool
-    session_id: str | None = None  # the session answering the current call
-    sip_call_id: str | None = None
-    answering: bool = False
-    caller_hung_up: bool = False
-    registered: asyncio.Future | None = None
-
-
-@dataclass
 class GatewayCounters:
     connects: int = 0
     registrations: int = 0
@@ -81,6 +70,8 @@ class GatewayCounters:
     caller_hangups: int = 0
     server_hangups: int = 0
     dtmf_info: int = 0
+    dialled: int = 0
+    dial_answered: int = 0
 
 
 @dataclass
@@ -95,6 +86,10 @@ class JanusSipGateway:
     _task: asyncio.Task | None = None
     _call_tasks: set[asyncio.Task] = field(default_factory=set)
     _stopping: bool = False
+    dialer: Dialer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dialer = Dialer(self)
 
     # --- lifetime ----------------------------------------------------------------------------------
 
@@ -103,6 +98,8 @@ class JanusSipGateway:
 
     async def stop(self) -> None:
         self._stopping = True
+        for attempt in list(self.dialer.calls.values()):
+            await self.dialer.give_up(attempt, "cancelled")
         for line in list(self._lines.values()):
             if line.session_id is not None:
                 await self.registry.close(line.session_id, "server_shutdown")  # hangs the call up
@@ -119,8 +116,12 @@ class JanusSipGateway:
     def lines(self) -> int:
         return self.settings.lines or self.registry.capacity + 1
 
+    def carries(self, session_id: str) -> bool:
+        """Whether this session is one of the gateway's phone calls."""
+        return any(line.session_id == session_id for line in self._lines.values())
+
     def status(self) -> dict[str, Any]:
-        busy = sum(1 for line in self._lines.values() if line.session_id or line.answering)
+        busy = sum(1 for line in self._lines.values() if not line.free)
         return {"registered": self.registered, "lines": len(self._lines), "busy_lines": busy,
                 "counters": vars(self.counters).copy()}
 
@@ -153,6 +154,8 @@ class JanusSipGateway:
         self._api = None
         lines, self._lines = self._lines, {}
         for line in lines.values():
+            if line.outbound is not None and line.session_id is None:
+                line.outbound.far_end("hangup", 0, reason)
             if line.session_id is not None:
                 line.caller_hung_up = True  # nobody left to send a hangup to
                 await self.registry.close(line.session_id, reason)
@@ -217,6 +220,8 @@ class JanusSipGateway:
         if line is None:
             return
         kind = message.get("janus")
+        if line.outbound is not None and line.session_id is None and self.dialer.on_event(line, message):
+            return
         if kind == "hangup":  # the WebRTC leg went down (ICE/DTLS failure, or after a SIP hangup)
             self._caller_gone(line, f"gateway_{message.get('reason', 'hangup')}".replace(" ", "_").lower()[:40])
             return

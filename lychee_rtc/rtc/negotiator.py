@@ -143,6 +143,53 @@ class RtcNegotiator:
         call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
         call.negotiated_at = time.monotonic()
 
+    # --- our own offer (a call the server places) ----------------------------------------------------
+
+    async def prepare_offer(self, slot: EngineSlot, options: SessionOptions, origin: dict[str, Any]) -> RtcCall:
+        """A call the server places: a session and a peer connection holding our offer.
+
+        Nothing is registered yet: the far end may never answer. ``complete_offer`` registers the
+        call once the answer comes; ``discard_offer`` lets it go otherwise.
+        """
+        quiet_connects_of_closed_peers(asyncio.get_running_loop())
+        track = self._new_track()
+        session = self.registry.new_session(slot, track, options, False, origin)
+        call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
+                       token=None)
+        track.listener = session
+        self._wire(call, call.pc)
+        transceiver = call.pc.addTransceiver(track, direction="sendrecv")
+        transceiver.setCodecPreferences(self._codec_preferences())
+        try:
+            await call.pc.setLocalDescription(await call.pc.createOffer())
+        except BaseException:
+            await abandon(call.pc, track)
+            raise
+        return call
+
+    async def complete_offer(self, call: RtcCall, answer_sdp: str) -> None:
+        """Apply the far end's answer and register the call (its session starts here)."""
+        pc = call.pc
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
+        except Exception as exc:  # aiortc's parsers raise assorted errors on bad SDP
+            raise SdpError(f"cannot use SDP answer: {exc}") from None
+        install_consent_freshness(pc, self.settings.rtc.ice_consent_timeout_s,
+                                  lambda: self._consent_expired(call, pc))
+        codec = negotiated_audio_codec(answer_sdp)
+        if codec is None or codec[0].lower() == TELEPHONE_EVENT.split("/")[1]:
+            raise SdpError("the answer holds no audio codec we offered", unprocessable=True)
+        call.codec = codec[0]
+        call.track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
+        call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
+        call.negotiated_at = time.monotonic()
+        self._calls[call.session.id] = call
+        self.registry.register(call)
+
+    async def discard_offer(self, call: RtcCall) -> None:
+        """An offer nobody answered: drop its peer connection (the caller closes the session)."""
+        await abandon(call.pc, call.track)
+
     # --- resuming ----------------------------------------------------------------------------------
 
     async def resume(self, session_id: str, session_token: str, offer_sdp: str, last_seq: int) -> RtcCall:
