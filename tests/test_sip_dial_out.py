@@ -9,12 +9,14 @@ audio checked both ways by correlation), busy (486), declined (603) and never an
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
 import numpy as np
 import pytest
 from conftest import free_port, running_server, wait_until
+from contract import check_response
 from sip_tools import RATE, LoopbackCapture, Uas, sip_register, sipp_uas_scenario, speech_pcap
 from test_rtc_echo import best_match
 from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
@@ -36,14 +38,18 @@ async def callee(stack, user: str = "alice") -> Uas:
 async def place(url: str, to: str, **fields) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{url}/v1/telephony/calls", json={"to": to, **fields}) as resp:
-            return resp.status, await resp.json()
+            raw = await resp.read()
+            check_response("/v1/telephony/calls", "POST", resp.status, resp.headers, raw)
+            return resp.status, json.loads(raw)
 
 
-async def resource(url: str, call_id: str) -> dict:
+async def resource(url: str, call_id: str, method: str = "GET") -> dict:
     async with aiohttp.ClientSession() as http:
-        async with http.get(f"{url}/v1/telephony/calls/{call_id}") as resp:
+        async with http.request(method, f"{url}/v1/telephony/calls/{call_id}") as resp:
+            raw = await resp.read()
+            check_response("/v1/telephony/calls/{call}", method, resp.status, resp.headers, raw)
             assert resp.status == 200
-            return await resp.json()
+            return json.loads(raw)
 
 
 def tap_attempt(app, call_id: str) -> EventTap:
@@ -55,7 +61,7 @@ def tap_attempt(app, call_id: str) -> EventTap:
 
 async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_path, speech_8k):
     pcap = tmp_path / "speech.pcap"
-    duration = speech_pcap(pcap, [np.zeros(RATE, np.float32), speech_8k, np.zeros(4 * RATE, np.float32)])
+    speech_pcap(pcap, [np.zeros(RATE, np.float32), speech_8k, np.zeros(4 * RATE, np.float32)])
     async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
                               session={"window_grace_ms": 400}) as (url, app):
         await registered(app)
@@ -77,9 +83,7 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
             assert call.session.origin["callee"] == f"sip:alice@127.0.0.1:{stack.ports.sip}"
             # The callee's speech comes back (echo engine): the media path works both ways.
             await wait_until(lambda: tap.of("output_audio_buffer.stopped"), 90, "the echo to be played")
-            async with aiohttp.ClientSession() as http:
-                async with http.delete(f"{url}/v1/telephony/calls/{body['id']}") as resp:
-                    assert resp.status == 200
+            await resource(url, body["id"], "DELETE")
             result = await far_end  # ends only once SIPp got our BYE and answered it
             assert result.returncode == 0, result.explain()
             rtp = await capture.stop()
@@ -158,9 +162,7 @@ async def test_bad_requests_and_a_full_server_dial_nothing(stack, tmp_path):
         assert code == 503 and second["error"]["code"] == "server_full"
         assert app[GATEWAY_KEY].counters.dialled == 1
         # Cancelling while it rings frees everything.
-        async with aiohttp.ClientSession() as http:
-            async with http.delete(f"{url}/v1/telephony/calls/{first['id']}") as resp:
-                assert resp.status == 200
+        await resource(url, first["id"], "DELETE")
         await wait_until(lambda: app[REGISTRY_KEY].free == 1, 30, "the slot to come back")
         result = await far_end
         assert result.returncode == 0, result.explain()

@@ -156,6 +156,7 @@ class Dialer:
             return
         session_id = call.session.id
         line.session_id = session_id
+        gw.allow_transfer(call.session)
         gw.counters.dial_answered += 1
         attempt.set_status("answered", 200)
         call.on_closed.append(lambda reason: self._ended(line, attempt, reason))

@@ -26,8 +26,10 @@ from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.gateway.dialer import Dialer
 from lychee_rtc.gateway.janus_api import JanusApi, JanusError
 from lychee_rtc.gateway.line import Line
+from lychee_rtc.gateway.transfer import TransferRefused, Transfers
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
+from lychee_rtc.session.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,11 @@ class JanusSipGateway:
     _call_tasks: set[asyncio.Task] = field(default_factory=set)
     _stopping: bool = False
     dialer: Dialer = field(init=False)
+    transfers: Transfers = field(init=False)
 
     def __post_init__(self) -> None:
         self.dialer = Dialer(self)
+        self.transfers = Transfers(self)
 
     # --- lifetime ----------------------------------------------------------------------------------
 
@@ -232,10 +236,14 @@ class JanusSipGateway:
         event = result.get("event")
         if "error_code" in data:
             error = JanusError(int(data["error_code"]), str(data.get("error", "")))
+            if self.transfers.on_event(line, result, error=str(error)):
+                return
             if line.registered is not None and not line.registered.done():
                 line.registered.set_exception(error)
             else:
                 log.warning("SIP gateway: Janus line %d: %s", line.handle_id, error)
+            return
+        if self.transfers.on_event(line, result):
             return
         if event == "registered":
             if line.registered is not None and not line.registered.done():
@@ -281,6 +289,20 @@ class JanusSipGateway:
         self.counters.caller_hangups += 1
         self._spawn(self.registry.close(line.session_id, reason))
 
+    # --- transfers ----------------------------------------------------------------------------------
+
+    def allow_transfer(self, session) -> None:
+        """Let the session's clients (its event stream) ask for a blind transfer."""
+        def handler(target_uri: str) -> None:
+            self._spawn(self._transfer_for_client(session, target_uri))
+        session.transfer_handler = handler
+
+    async def _transfer_for_client(self, session, target_uri: str) -> None:
+        try:
+            await self.transfers.start(session.id, target_uri)
+        except TransferRefused as exc:
+            session.report_error(ProtocolError(exc.code, exc.message))
+
     # --- calls -------------------------------------------------------------------------------------
 
     async def _answer(self, line: Line, data: dict, result: dict, jsep: dict | None) -> None:
@@ -317,6 +339,7 @@ class JanusSipGateway:
                 await self._decline(api, line, NOT_ACCEPTABLE)
                 return
             line.session_id = call.session.id
+            self.allow_transfer(call.session)
             call.on_closed.append(lambda reason, line=line, sid=call.session.id: self._session_ended(line, sid, reason))
             if line.caller_hung_up:  # the caller gave up while the session was being created
                 await self.registry.close(call.session.id, "caller_hangup")
@@ -341,7 +364,7 @@ class JanusSipGateway:
         """The session is over (caller hung up, timeout, DELETE, shutdown): end the call too."""
         if line.session_id != session_id:
             return
-        line.session_id = None
+        line.session_id, line.transfer = None, None
         api = self._api
         if line.caller_hung_up or api is None or self._lines.get(line.handle_id) is not line:
             return

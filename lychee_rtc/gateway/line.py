@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from lychee_rtc.gateway.dial_out import OutboundCall
+from lychee_rtc.gateway.transfer import Transfer
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Line:
     caller_hung_up: bool = False
     registered: asyncio.Future | None = None
     outbound: OutboundCall | None = None  # the call placed on this line, from dialling to its end
+    transfer: Transfer | None = None  # the current call's blind transfer, once asked for
 
     @property
     def free(self) -> bool:

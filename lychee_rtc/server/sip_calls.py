@@ -20,6 +20,7 @@ from lychee_rtc.config import Settings
 from lychee_rtc.gateway.dial_out import valid_target
 from lychee_rtc.gateway.dialer import GatewayUnavailable
 from lychee_rtc.gateway.janus_sip import JanusSipGateway
+from lychee_rtc.gateway.transfer import TransferRefused
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.server import http
@@ -102,6 +103,31 @@ class SipCalls:
                 await self.registry.close(attempt.session.id, "deleted")  # hangs the call up
         return http.json_response(attempt.resource())
 
+    # --- transfer ------------------------------------------------------------------------------------
+
+    async def transfer(self, request: web.Request) -> web.Response:
+        """Blind transfer (REFER) of a SIP call: a placed call's id, or any SIP call's session id."""
+        key = request.match_info["call"]
+        try:
+            body = await read_object(request)
+            unknown = set(body) - {"target_uri"}
+            if unknown:
+                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            if not valid_target(body.get("target_uri")):
+                raise http.BodyError(400, "invalid_target",
+                                     "field 'target_uri' must be a sip: URI with a user part or a tel: number")
+        except http.BodyError as exc:
+            return exc.response()
+        attempt = self.gateway.dialer.find(key)
+        session_id = attempt.session.id if attempt is not None and attempt.session is not None else key
+        if attempt is None and session_id not in self.registry.calls:
+            return http.error_response(404, "call_not_found", f"no call {key!r}")
+        try:
+            transfer = await self.gateway.transfers.start(session_id, body["target_uri"])
+        except TransferRefused as exc:
+            return http.error_response(exc.status, exc.code, exc.message)
+        return http.json_response(transfer.state(), status=202)
+
     # --- the event stream ------------------------------------------------------------------------------
 
     async def events(self, request: web.Request) -> web.StreamResponse:
@@ -137,6 +163,7 @@ def add_routes(app: web.Application, settings: Settings, registry: CallRegistry,
     app.router.add_post(CALLS_PATH, calls.create)
     app.router.add_get(CALLS_PATH + "/{call}", calls.get)
     app.router.add_delete(CALLS_PATH + "/{call}", calls.delete)
+    app.router.add_post(CALLS_PATH + "/{call}/transfer", calls.transfer)
     if with_events:
         app.router.add_get(CALLS_PATH + "/{call}/events", calls.events)
     return calls

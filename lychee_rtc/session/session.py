@@ -90,6 +90,9 @@ class DuplexSession:
         self._tasks: list[asyncio.Task] = []
         self._deferred_listen: tuple[str, dict[str, float] | None] | None = None
         self._message_rate = MessageRate(clock())
+        # Set by a phone-call transport that can hand the caller over (the SIP gateway): called
+        # with the target URI; None for calls that cannot be transferred.
+        self.transfer_handler: Callable[[str], None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -311,6 +314,12 @@ class DuplexSession:
     def commit_input(self) -> None:
         self.slot.control(Control(ControlKind.COMMIT, self.epoch))
         self.emit("input_audio_buffer.committed", epoch=self.epoch)
+
+    def request_transfer(self, target_uri: str, event_id: str | None = None) -> None:
+        if self.transfer_handler is None:
+            raise ProtocolError("not_a_phone_call", "only a phone call through the SIP gateway can be transferred",
+                                event_id)
+        self.transfer_handler(target_uri)
 
     def request_close(self, reason: str) -> None:
         if self._close_task is None:  # one teardown, however many times the client asks
