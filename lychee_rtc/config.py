@@ -233,6 +233,22 @@ class JanusGatewaySettings(_Section):
     lines: int | None = Field(None, ge=1, le=257)
     reconnect_max_s: float = Field(5.0, gt=0, le=300)
     request_timeout_s: float = Field(10.0, gt=0, le=120)
+    # OpenAI-style SIP call control: with a URL, each incoming call is announced to it by a signed
+    # realtime.call.incoming webhook and waits (ringing) for POST /v1/realtime/calls/{id}/accept or
+    # /reject; without one, calls are answered at once. The secret is OpenAI's whsec_<base64> form.
+    webhook_url: str | None = Field(None, pattern=r"^https?://\S+$")
+    webhook_secret: str | None = Field(None, pattern=r"^whsec_[A-Za-z0-9+/]+={0,2}$")
+    webhook_timeout_s: float = Field(5.0, gt=0, le=60)
+    # How long a call announced by the webhook rings before it is declined (480) for want of an answer.
+    decision_timeout_s: float = Field(30.0, gt=0, le=300)
+    # A placed call rings this long by default before it counts as not answered (the request may say).
+    ring_timeout_s: float = Field(30.0, ge=1, le=300)
+
+    @model_validator(mode="after")
+    def _webhook_needs_secret(self) -> "JanusGatewaySettings":
+        if self.webhook_url is not None and self.webhook_secret is None:
+            raise ValueError("gateway.janus.webhook_url needs webhook_secret (whsec_<base64>) to sign its webhooks")
+        return self
 
 
 class GatewaySettings(_Section):

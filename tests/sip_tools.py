@@ -237,10 +237,10 @@ def sipp_invite_sdp(dtmf: bool = True) -> str:
 
 
 def sipp_uac_scenario(pcap: Path | None, hold_ms: int, hangup: str = "caller", info_digits: str = "",
-                      info_after_ms: int = 0, expect_busy: bool = False) -> str:
+                      info_after_ms: int = 0, expect_busy: bool = False, refused_with: int | None = None) -> str:
     """A SIPp caller: INVITE with G.711 (and telephone-event), play ``pcap``, hold ``hold_ms``, then
     hang up (``hangup="caller"``) or wait for the callee's BYE (``"callee"``). ``expect_busy``: the
-    call must be refused with 486."""
+    call must be refused with 486; ``refused_with``: with that status."""
     invite = f"""
   <send retrans="500">
     <![CDATA[
@@ -263,9 +263,9 @@ Content-Length: [len]
   <recv response="180" optional="true"/>
   <recv response="183" optional="true"/>
 """
-    if expect_busy:
-        return _scenario(invite + """
-  <recv response="486"/>
+    if expect_busy or refused_with:
+        return _scenario(invite + f"""
+  <recv response="{refused_with or 486}"/>
   <send>
     <![CDATA[
 ACK sip:[service]@[remote_ip]:[remote_port] SIP/2.0

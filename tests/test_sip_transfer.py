@@ -144,3 +144,40 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
     heard_caller = best_match(received_audio(target_rtp), speech_8k)
     print(f"correlation: echo {echo:.2f}, caller hears target {heard_target:.2f}, target hears caller {heard_caller:.2f}")
     assert echo > 0.7 and heard_target > 0.7 and heard_caller > 0.7
+
+
+async def test_openai_refer_hands_an_accepted_caller_over(stack, tmp_path, speech_8k):
+    """OpenAI's flow end to end: webhook, accept, then ``client.realtime.calls.refer`` to a person."""
+    from openai import AsyncOpenAI, ConflictError
+    from test_sip_call_control import KEY, SECRET, WebhookReceiver, controlled
+
+    conf = baresip_config(tmp_path, speech_8k)
+    async with WebhookReceiver() as receiver, \
+            running_server("configs/telephony.yaml", gateway=controlled(stack, receiver),
+                           server={"auth_token": KEY}) as (url, app):
+        client = AsyncOpenAI(api_key=KEY, base_url=f"{url}/v1", max_retries=0, webhook_secret=SECRET)
+        await registered(app)
+        bob = await callee(stack, "bob")
+        far_end = asyncio.create_task(bob.run(sipp_uas_scenario("answer", hold_ms=120000), tmp_path))
+        proc = await asyncio.create_subprocess_exec(
+            "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "120",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            event = await receiver.next_call(client)
+            call_id = event.data.call_id
+            with pytest.raises(ConflictError):  # ringing, not answered: nothing to transfer yet
+                await client.realtime.calls.refer(call_id, target_uri=f"sip:bob@127.0.0.1:{stack.ports.sip}")
+            await client.realtime.calls.accept(call_id, type="realtime", instructions="Transfer them to Bob.")
+            call = app[REGISTRY_KEY].calls[call_id]
+            await wait_until(lambda: call.connected_at is not None, 60, "the WebRTC leg to Janus")
+            await client.realtime.calls.refer(call_id, target_uri=f"sip:bob@127.0.0.1:{stack.ports.sip}")
+            await wait_until(lambda: call.session.closed, 60, "the caller to reach Bob")
+            assert call.session.close_reason == "transferred"
+            proc.stdin.write(b"/hangup\n")
+            await proc.stdin.drain()
+            result = await far_end  # Bob got the caller's BYE: the caller talked to Bob, not to us
+            assert result.returncode == 0, result.explain()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

@@ -81,10 +81,15 @@ class CallRegistry:
         finally:
             self._reserved -= 1
 
+    def new_session_id(self) -> str:
+        return f"sess_{self.id_prefix}{secrets.token_hex(8)}"
+
     def new_session(self, slot: EngineSlot, sink: AudioSink, options: SessionOptions,
-                    metrics: bool = False, origin: dict[str, Any] | None = None) -> DuplexSession:
+                    metrics: bool = False, origin: dict[str, Any] | None = None,
+                    session_id: str | None = None) -> DuplexSession:
+        """``session_id``: one promised before the call existed (``new_session_id``), else a new one."""
         caps = self.engine.capabilities
-        return DuplexSession(f"sess_{self.id_prefix}{secrets.token_hex(8)}", self.settings.session, slot, sink,
+        return DuplexSession(session_id or self.new_session_id(), self.settings.session, slot, sink,
                              engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
                              origin=origin)
 

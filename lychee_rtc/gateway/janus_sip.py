@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lychee_rtc.config import JanusGatewaySettings
-from lychee_rtc.engine.base import DTMF_DIGITS
+from lychee_rtc.engine.base import DTMF_DIGITS, SessionOptions
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
+from lychee_rtc.gateway.call_control import CallControl, DecisionRefused
 from lychee_rtc.gateway.dialer import Dialer
 from lychee_rtc.gateway.janus_api import JanusApi, JanusError
 from lychee_rtc.gateway.line import Line
@@ -59,6 +60,18 @@ def dtmf_from_info(content_type: str, content: str) -> str | None:
     return value if len(value) == 1 and value in DTMF_DIGITS else None
 
 
+def sip_headers(origin: dict[str, Any], result: dict[str, Any]) -> list[dict[str, str]]:
+    """The INVITE's identifying headers, as OpenAI's webhook lists them (no authorization headers)."""
+    caller = f"<{origin['caller']}>"
+    if origin.get("caller_name"):
+        caller = f'"{origin["caller_name"]}" {caller}'
+    headers = [{"name": "From", "value": caller}, {"name": "To", "value": f"<{origin['callee']}>"},
+               {"name": "Call-ID", "value": origin["sip_call_id"]}]
+    for name, value in (result.get("headers") or {}).items():  # Janus's incoming_header_prefixes, if set
+        headers.append({"name": str(name), "value": str(value)})
+    return headers
+
+
 @dataclass
 class GatewayCounters:
     connects: int = 0
@@ -90,10 +103,14 @@ class JanusSipGateway:
     _stopping: bool = False
     dialer: Dialer = field(init=False)
     transfers: Transfers = field(init=False)
+    control: CallControl | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.dialer = Dialer(self)
         self.transfers = Transfers(self)
+        s = self.settings
+        self.control = None if s.webhook_url is None else CallControl(
+            s.webhook_url, s.webhook_secret or "", s.webhook_timeout_s, s.decision_timeout_s)
 
     # --- lifetime ----------------------------------------------------------------------------------
 
@@ -279,6 +296,8 @@ class JanusSipGateway:
         if line.session_id is None:
             if line.answering:
                 line.caller_hung_up = True  # the answer in progress sees it and gives up
+                if self.control is not None and line.pending_call is not None:
+                    self.control.caller_gone(line.pending_call)
             return
         if line.caller_hung_up:  # Janus reports the SIP hangup and then the WebRTC leg going down
             return
@@ -320,32 +339,55 @@ class JanusSipGateway:
             "callee": str(result.get("callee", "")),
             "sip_call_id": str(line.sip_call_id or ""),
         }
+        session_id: str | None = None
         try:
             if not jsep or jsep.get("type") != "offer" or not isinstance(jsep.get("sdp"), str):
                 # An offerless INVITE would need us to make the offer: not supported.
                 self.counters.rejected += 1
                 await self._decline(api, line, NOT_ACCEPTABLE)
                 return
+            options = SessionOptions()
+            if self.control is not None:
+                if self.registry.free <= 0:  # nothing to announce: it could not be accepted
+                    self.counters.busy += 1
+                    await self._decline(api, line, BUSY)
+                    return
+                session_id = line.pending_call = self.registry.new_session_id()
+                decision = await self.control.ask(session_id, sip_headers(origin, result))
+                line.pending_call = None
+                if decision[0] != "accept":
+                    if decision[0] != "gone":  # a caller who hung up was answered 487 by Janus already
+                        self.counters.rejected += 1
+                        log.info("SIP gateway: call %s declined %d: %s", line.sip_call_id, decision[1], decision[2])
+                        await self._decline(api, line, decision[1])
+                    self.control.finish(session_id, None if decision[0] == "reject" else
+                                        DecisionRefused(409, "call_ended", "the caller hung up"))
+                    return
+                options = decision[1]
             try:
-                call = await self.rtc.create(jsep["sdp"], origin=origin)
+                call = await self.rtc.create(jsep["sdp"], options, origin=origin, session_id=session_id)
             except ServerFull:
                 self.counters.busy += 1
                 log.info("SIP gateway: call %s from %s refused: no free session", line.sip_call_id, origin["caller"])
                 await self._decline(api, line, BUSY)
+                self._decided(session_id, DecisionRefused(503, "server_full", "all sessions are in use"))
                 return
             except SdpError as exc:
                 self.counters.rejected += 1
                 log.warning("SIP gateway: call %s refused: %s", line.sip_call_id, exc)
                 await self._decline(api, line, NOT_ACCEPTABLE)
+                self._decided(session_id, DecisionRefused(422, "unprocessable_sdp", str(exc)))
                 return
             line.session_id = call.session.id
             self.allow_transfer(call.session)
             call.on_closed.append(lambda reason, line=line, sid=call.session.id: self._session_ended(line, sid, reason))
             if line.caller_hung_up:  # the caller gave up while the session was being created
                 await self.registry.close(call.session.id, "caller_hangup")
+                self._decided(session_id, DecisionRefused(409, "call_ended", "the caller hung up"))
                 return
             await api.message(line.handle_id, {"request": "accept"},
                               {"type": "answer", "sdp": call.pc.localDescription.sdp, "trickle": False})
+            self._decided(session_id)
             self.counters.answered += 1
             log.info("SIP gateway: call %s from %s answered by session %s", line.sip_call_id, origin["caller"],
                      call.session.id)
@@ -355,7 +397,13 @@ class JanusSipGateway:
                 line.caller_hung_up = True
                 await self.registry.close(line.session_id, "gateway_error")
         finally:
-            line.answering = False
+            line.answering, line.pending_call = False, None
+            if self.control is not None and session_id is not None:
+                self._decided(session_id, DecisionRefused(502, "gateway_error", "the call could not be answered"))
+
+    def _decided(self, session_id: str | None, error: DecisionRefused | None = None) -> None:
+        if self.control is not None and session_id is not None:
+            self.control.finish(session_id, error)  # no-op once finished
 
     async def _decline(self, api: JanusApi, line: Line, code: int) -> None:
         await api.message(line.handle_id, {"request": "decline", "code": code})

@@ -22,6 +22,7 @@ class Line:
     registered: asyncio.Future | None = None
     outbound: OutboundCall | None = None  # the call placed on this line, from dialling to its end
     transfer: Transfer | None = None  # the current call's blind transfer, once asked for
+    pending_call: str | None = None  # the call id a webhook announced, while the application decides
 
     @property
     def free(self) -> bool:

@@ -76,21 +76,24 @@ class RtcNegotiator:
     # --- offer / answer ----------------------------------------------------------------------------
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
-                     metrics: bool = False, origin: dict[str, Any] | None = None) -> RtcCall:
-        """``origin``: where the call came from when a connector places it (a SIP gateway's caller)."""
+                     metrics: bool = False, origin: dict[str, Any] | None = None,
+                     session_id: str | None = None) -> RtcCall:
+        """``origin``: where the call came from when a connector places it (a SIP gateway's caller);
+        ``session_id``: the id the call was announced under before it was answered (a webhook's)."""
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
-            call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin)
+            call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin,
+                                       session_id)
         if self.registry.closing:  # shutdown began while this offer was being answered
             await self.registry.close(call.session.id, "server_shutdown")
             raise ServerFull(self.settings.session.retry_after_s)
         return call
 
     async def _connect(self, slot: EngineSlot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool,
-                       origin: dict[str, Any] | None) -> RtcCall:
+                       origin: dict[str, Any] | None, session_id: str | None = None) -> RtcCall:
         track = self._new_track()
-        session = self.registry.new_session(slot, track, options, metrics, origin)
+        session = self.registry.new_session(slot, track, options, metrics, origin, session_id)
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
                        whip_resource=new_whip_resource(self.registry.id_prefix) if whip else None,
                        token=new_session_token() if origin is None else None)

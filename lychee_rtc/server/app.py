@@ -306,6 +306,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
         from lychee_rtc.server.sip_calls import add_routes as add_sip_call_routes
 
         gateway = app[GATEWAY_KEY] = JanusSipGateway(settings.gateway.janus, registry, rtc)
+        app[realtime.REALTIME_KEY].gateway = gateway
         sip_calls = add_sip_call_routes(app, settings, registry, gateway, with_events=not settings.telephony.enabled)
     if settings.telephony.enabled:
         add_telephony_routes(app, settings, registry, sip_calls.events if sip_calls is not None else None)

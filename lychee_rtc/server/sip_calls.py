@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 CALLS_PATH = "/v1/telephony/calls"
 MAX_BODY_BYTES = 64 * 1024
-DEFAULT_RING_TIMEOUT_S = 30.0
 MAX_RING_TIMEOUT_S = 300.0
 
 
@@ -69,7 +68,7 @@ class SipCalls:
                                      "field 'to' must be a sip: URI with a user part or a tel: number")
             if caller is not None and not valid_target(caller):
                 raise http.BodyError(400, "invalid_caller_id", "field 'from' must be a sip: or tel: URI")
-            timeout = body.get("ring_timeout_s", DEFAULT_RING_TIMEOUT_S)
+            timeout = body.get("ring_timeout_s", self.gateway.settings.ring_timeout_s)
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                     or not 1 <= timeout <= MAX_RING_TIMEOUT_S:
                 raise http.BodyError(400, "invalid_request", f"ring_timeout_s must be 1 to {MAX_RING_TIMEOUT_S:.0f}")
