@@ -122,6 +122,8 @@ class CallRegistry:
                 elif call.connected_at is None:
                     if now - call.connect_started_at() > s.connect_timeout_s:
                         await self.lose_path(call, "connect_timeout")
+                elif session.on_hold:  # a held caller's phone may send nothing at all
+                    continue
                 elif now - max(session.last_audio_at or 0.0, call.connected_at) > s.media_timeout_s:
                     await self.lose_path(call, "media_timeout")
         except asyncio.CancelledError:

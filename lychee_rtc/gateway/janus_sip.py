@@ -27,7 +27,7 @@ from lychee_rtc.gateway.call_control import CallControl, DecisionRefused
 from lychee_rtc.gateway.dialer import Dialer
 from lychee_rtc.gateway.janus_api import JanusApi, JanusError
 from lychee_rtc.gateway.line import Line
-from lychee_rtc.gateway.transfer import TransferRefused, Transfers
+from lychee_rtc.gateway.transfer import CallActionRefused, Transfers
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.session.protocol import ProtocolError
@@ -319,7 +319,7 @@ class JanusSipGateway:
     async def _transfer_for_client(self, session, target_uri: str) -> None:
         try:
             await self.transfers.start(session.id, target_uri)
-        except TransferRefused as exc:
+        except CallActionRefused as exc:
             session.report_error(ProtocolError(exc.code, exc.message))
 
     # --- calls -------------------------------------------------------------------------------------

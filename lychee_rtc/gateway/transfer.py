@@ -25,7 +25,9 @@ TRANSFER_TIMEOUT_S = 30.0
 SIPFRAG = re.compile(r"^SIP/2\.0\s+(\d{3})\s*(.*)$")
 
 
-class TransferRefused(Exception):
+class CallActionRefused(Exception):
+    """A call action (transfer, hold) refused: an HTTP status, an error code and a message."""
+
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
@@ -67,17 +69,17 @@ class Transfers:
         return next((ln for ln in self.gateway._lines.values() if ln.session_id == session_id), None)
 
     async def start(self, session_id: str, target_uri: str) -> Transfer:
-        """Send the REFER; raise TransferRefused when this call cannot be transferred now."""
+        """Send the REFER; raise CallActionRefused when this call cannot be transferred now."""
         line = self.line_of(session_id)
         call = self.gateway.registry.calls.get(session_id)
         if line is None or call is None or call.session.closed:
-            raise TransferRefused(409, "not_a_phone_call", "only an answered phone call through the SIP gateway "
+            raise CallActionRefused(409, "not_a_phone_call", "only an answered phone call through the SIP gateway "
                                                            "can be transferred")
         if line.transfer is not None and not line.transfer.final:
-            raise TransferRefused(409, "transfer_in_progress", "this call is already being transferred")
+            raise CallActionRefused(409, "transfer_in_progress", "this call is already being transferred")
         api = self.gateway._api
         if api is None:
-            raise TransferRefused(503, "gateway_unavailable", "the connection to Janus is down")
+            raise CallActionRefused(503, "gateway_unavailable", "the connection to Janus is down")
         transfer = line.transfer = Transfer(target_uri)
         self._emit(line, transfer)
         try:

@@ -19,8 +19,9 @@ from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.gateway.dial_out import valid_target
 from lychee_rtc.gateway.dialer import GatewayUnavailable
+from lychee_rtc.gateway.hold import set_hold
 from lychee_rtc.gateway.janus_sip import JanusSipGateway
-from lychee_rtc.gateway.transfer import TransferRefused
+from lychee_rtc.gateway.transfer import CallActionRefused
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.server import http
@@ -123,9 +124,33 @@ class SipCalls:
             return http.error_response(404, "call_not_found", f"no call {key!r}")
         try:
             transfer = await self.gateway.transfers.start(session_id, body["target_uri"])
-        except TransferRefused as exc:
+        except CallActionRefused as exc:
             return http.error_response(exc.status, exc.code, exc.message)
         return http.json_response(transfer.state(), status=202)
+
+    # --- hold ----------------------------------------------------------------------------------------
+
+    async def hold(self, request: web.Request) -> web.Response:
+        """Hold (``.../hold``, body ``{"direction": "inactive" | "sendonly"}``) or resume (``.../unhold``)."""
+        held = request.path.endswith("/hold")
+        try:
+            body = await read_object(request)
+            allowed = {"direction"} if held else set()
+            unknown = set(body) - allowed
+            if unknown:
+                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+        except http.BodyError as exc:
+            return exc.response()
+        key = request.match_info["call"]
+        attempt = self.gateway.dialer.find(key)
+        session_id = attempt.session.id if attempt is not None and attempt.session is not None else key
+        if attempt is None and session_id not in self.registry.calls:
+            return http.error_response(404, "call_not_found", f"no call {key!r}")
+        try:
+            changed = await set_hold(self.gateway, session_id, held, body.get("direction", "inactive"))
+        except CallActionRefused as exc:
+            return http.error_response(exc.status, exc.code, exc.message)
+        return http.json_response({"session_id": session_id, "held": held, "changed": changed})
 
     # --- the event stream ------------------------------------------------------------------------------
 
@@ -163,6 +188,8 @@ def add_routes(app: web.Application, settings: Settings, registry: CallRegistry,
     app.router.add_get(CALLS_PATH + "/{call}", calls.get)
     app.router.add_delete(CALLS_PATH + "/{call}", calls.delete)
     app.router.add_post(CALLS_PATH + "/{call}/transfer", calls.transfer)
+    app.router.add_post(CALLS_PATH + "/{call}/hold", calls.hold)
+    app.router.add_post(CALLS_PATH + "/{call}/unhold", calls.hold)
     if with_events:
         app.router.add_get(CALLS_PATH + "/{call}/events", calls.events)
     return calls

@@ -93,6 +93,7 @@ class DuplexSession:
         # Set by a phone-call transport that can hand the caller over (the SIP gateway): called
         # with the target URI; None for calls that cannot be transferred.
         self.transfer_handler: Callable[[str], None] | None = None
+        self.on_hold = False  # a phone call put on hold: the engine hears nothing and says nothing
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -320,6 +321,25 @@ class DuplexSession:
             raise ProtocolError("not_a_phone_call", "only a phone call through the SIP gateway can be transferred",
                                 event_id)
         self.transfer_handler(target_uri)
+
+    def hold(self) -> bool:
+        """Put the call on hold: cut what is being said, stop the uplink clock (no windows, so no
+        underruns and nothing for the engine to answer). False if it already was."""
+        if self.closed or self.on_hold:
+            return False
+        self.on_hold = True
+        self.interrupt("on_hold")
+        self.uplink.hold()
+        self.emit("call.hold", held=True)
+        return True
+
+    def unhold(self) -> bool:
+        if self.closed or not self.on_hold:
+            return False
+        self.on_hold = False
+        self.uplink.release()
+        self.emit("call.hold", held=False)
+        return True
 
     def request_close(self, reason: str) -> None:
         if self._close_task is None:  # one teardown, however many times the client asks

@@ -28,7 +28,7 @@ from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.gateway.call_control import DEFAULT_REJECT, DecisionRefused
 from lychee_rtc.gateway.dial_out import valid_target
-from lychee_rtc.gateway.transfer import TransferRefused
+from lychee_rtc.gateway.transfer import CallActionRefused
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
@@ -263,7 +263,7 @@ async def refer(request: web.Request) -> web.Response:
         return error(409, "not_a_sip_call", f"call {call_id!r} is not a SIP call", param="call_id")
     try:
         await surface.gateway.transfers.start(call_id, target)
-    except TransferRefused as exc:
+    except CallActionRefused as exc:
         return error(exc.status, "not_a_sip_call" if exc.code == "not_a_phone_call" else exc.code, exc.message,
                      param="call_id")
     return web.Response(status=200)
