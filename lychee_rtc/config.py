@@ -243,11 +243,16 @@ class JanusGatewaySettings(_Section):
     decision_timeout_s: float = Field(30.0, gt=0, le=300)
     # A placed call rings this long by default before it counts as not answered (the request may say).
     ring_timeout_s: float = Field(30.0, ge=1, le=300)
+    # Music on hold: a WAV file played, looped, to a held caller (hold then defaults to a=sendonly);
+    # None: silence (a=inactive).
+    hold_audio: Path | None = None
 
     @model_validator(mode="after")
     def _webhook_needs_secret(self) -> "JanusGatewaySettings":
         if self.webhook_url is not None and self.webhook_secret is None:
             raise ValueError("gateway.janus.webhook_url needs webhook_secret (whsec_<base64>) to sign its webhooks")
+        if self.hold_audio is not None and not self.hold_audio.is_file():
+            raise ValueError(f"gateway.janus.hold_audio {str(self.hold_audio)!r} is not a file")
         return self
 
 

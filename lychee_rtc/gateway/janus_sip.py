@@ -104,6 +104,7 @@ class JanusSipGateway:
     dialer: Dialer = field(init=False)
     transfers: Transfers = field(init=False)
     control: CallControl | None = field(init=False)
+    hold_audio: Any = None  # the music on hold at the engine's output rate, loaded at the first hold
 
     def __post_init__(self) -> None:
         self.dialer = Dialer(self)

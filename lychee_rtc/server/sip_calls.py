@@ -147,7 +147,7 @@ class SipCalls:
         if attempt is None and session_id not in self.registry.calls:
             return http.error_response(404, "call_not_found", f"no call {key!r}")
         try:
-            changed = await set_hold(self.gateway, session_id, held, body.get("direction", "inactive"))
+            changed = await set_hold(self.gateway, session_id, held, body.get("direction"))
         except CallActionRefused as exc:
             return http.error_response(exc.status, exc.code, exc.message)
         return http.json_response({"session_id": session_id, "held": held, "changed": changed})

@@ -337,6 +337,7 @@ class DuplexSession:
         if self.closed or not self.on_hold:
             return False
         self.on_hold = False
+        self.interrupt("off_hold")  # what played on hold (music) stops here
         self.uplink.release()
         self.emit("call.hold", held=False)
         return True
