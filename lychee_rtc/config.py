@@ -74,6 +74,10 @@ class RtcSettings(_Section):
     # Inbound jitter handling: "lowlatency" is ours, "aiortc" keeps the library default.
     jitter_buffer: Literal["lowlatency", "aiortc"] = "lowlatency"
     jitter_target_ms: int = Field(40, ge=20, le=400)
+    # Packet time (docs/benchmarks.md has what each costs and saves): the audio per RTP packet this
+    # server sends, and the a=ptime its answers ask peers to send (null: the peer's own choice).
+    send_frame_ms: Literal[10, 20] = 20
+    receive_ptime_ms: Literal[10, 20] | None = None
     # ICE consent (RFC 7675): the media path is given up when no consent check was answered this long.
     ice_consent_timeout_s: float = Field(30.0, ge=2, le=300)
 

@@ -79,6 +79,36 @@ export function inboundCounters(report) {
   return Object.fromEntries(keys.filter((k) => inbound[k] !== undefined).map((k) => [k, inbound[k]]));
 }
 
+/** The RTP counters a run's transport summary is taken from, both directions. */
+export function transportCounters(report) {
+  const pick = (s, keys) => (s ? Object.fromEntries(keys.map((k) => [k, s[k] ?? 0])) : null);
+  return {
+    t: performance.now(),
+    out: pick(audioStats(report, "outbound-rtp"), ["packetsSent", "bytesSent", "headerBytesSent"]),
+    in: pick(audioStats(report, "inbound-rtp"), ["packetsReceived", "bytesReceived", "headerBytesReceived"]),
+  };
+}
+
+/**
+ * Packet duration and bit rate each way between two transportCounters snapshots: what a packet
+ * time costs on the wire (RTP payload and header; UDP/IP and SRTP overhead come on top).
+ */
+export function transportSummary(first, last) {
+  if (!first || !last || last.t <= first.t) return null;
+  const seconds = (last.t - first.t) / 1000;
+  const direction = (a, b, packets, payload, header) => {
+    if (!a || !b) return null;
+    const n = b[packets] - a[packets];
+    const bytes = b[payload] - a[payload] + b[header] - a[header];
+    return { packets: n, packet_ms: n > 0 ? round((1000 * seconds) / n, 1) : null, rtp_kbps: round((8 * bytes) / seconds / 1000, 1) };
+  };
+  return {
+    seconds: round(seconds, 1),
+    sent: direction(first.out, last.out, "packetsSent", "bytesSent", "headerBytesSent"),
+    received: direction(first.in, last.in, "packetsReceived", "bytesReceived", "headerBytesReceived"),
+  };
+}
+
 export const CSV_COLUMNS = [
   "index", "sent_s", "latency_ms", "rtt_ms", "jitter_buffer_ms", "jitter_buffer_target_ms",
   "jitter_buffer_minimum_ms", "packets_received", "packets_lost", "concealed_samples", "inserted_samples",

@@ -6,7 +6,7 @@
 
 import { connect } from "./latency-call.js";
 import { readStats } from "./stats.js";
-import { CSV_COLUMNS, inboundCounters, probeContext, selfCheck, summarize, toCsv } from "./latency-report.js";
+import { CSV_COLUMNS, inboundCounters, probeContext, selfCheck, summarize, toCsv, transportCounters, transportSummary } from "./latency-report.js";
 import { drawHistogram, drawSeries } from "./latency-charts.js";
 
 const $ = (id) => document.getElementById(id);
@@ -149,8 +149,8 @@ class Run {
     if (msg.type === "heard") this.onHeard?.(msg);
   }
 
-  async context() {
-    const report = await this.pc.getStats();
+  async context(report = null) {
+    report = report ?? (await this.pc.getStats());
     const ctx = probeContext(report, this.prevCounters, readStats(report).rttMs);
     this.prevCounters = inboundCounters(report);
     for (const s of report.values()) {
@@ -234,11 +234,14 @@ async function run() {
     if (ctx.state !== "running") await ctx.resume();
     setState("running", "Measuring…");
     await sleep(WARMUP_S * 1000);
-    await r.context(); // the stats baseline the first probe's interval starts from
+    const baseline = await conn.pc.getStats();
+    await r.context(baseline); // the stats baseline the first probe's interval starts from
+    const transportStart = transportCounters(baseline);
 
     const startedAt = new Date().toISOString();
     if (o.mode === "response") await measureResponses(r, ctx, node, analyser, utterance);
     else await measureLoopback(r, ctx, node, templates);
+    const transport = transportSummary(transportStart, transportCounters(await conn.pc.getStats()));
 
     const result = {
       tool: "lychee-rtc latency tester",
@@ -261,6 +264,7 @@ async function run() {
       utterance: utterance ? { name: utterance.name, duration_s: round3(utterance.duration), speech_s: round3(r.speechS) } : null,
       stopped_early: r.stopped,
       incoming_peak: Math.round(r.incomingPeak * 1e4) / 1e4,
+      transport,
       summary: summarize(r.probes.filter((p) => !p.added_delay_ms)),
       probes: r.probes,
     };

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import fractions
 import json
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from lychee_rtc.rtc.codec_threads import limit_codec_threads
 from lychee_rtc.pcm import FrameResampler
 
 RATE = 48000
-FRAME = RATE // 50  # 20 ms
+FRAME = RATE // 50  # 20 ms: the default; an answer's a=ptime:10 makes it 10 ms, as a browser does
 
 
 class MicrophoneTrack(MediaStreamTrack):
@@ -39,13 +40,20 @@ class MicrophoneTrack(MediaStreamTrack):
         self._queued = 0
         self._t0: float | None = None
         self._n = 0
+        self.frame = FRAME  # samples per frame; each frame is one RTP packet
         # Frame index -> monotonic time the frame was handed to the sender (the most recent ones).
         self.send_times: dict[int, float] = {}
         self.max_log = 60 * 50
 
+    def set_frame_ms(self, ms: int) -> None:
+        """The packet time, before the first frame is sent."""
+        if self._t0 is None:
+            self.frame = RATE * ms // 1000
+            self.max_log = 60 * 1000 // ms
+
     def feed(self, samples: np.ndarray) -> float:
         """Queue audio; returns the stream time (s) at which its first sample will be sent."""
-        start = (self._n * FRAME + self._queued) / RATE
+        start = (self._n * self.frame + self._queued) / RATE
         samples = np.asarray(samples, dtype=np.float32)
         self._queue.append(samples)
         self._queued += len(samples)
@@ -54,14 +62,14 @@ class MicrophoneTrack(MediaStreamTrack):
     @property
     def sent_samples(self) -> int:
         """Samples handed to the sender so far (queued audio and the silence between)."""
-        return self._n * FRAME
+        return self._n * self.frame
 
     def _take(self) -> np.ndarray:
-        out = np.zeros(FRAME, dtype=np.float32)
+        out = np.zeros(self.frame, dtype=np.float32)
         pos = 0
-        while pos < FRAME and self._queue:
+        while pos < self.frame and self._queue:
             head = self._queue[0]
-            k = min(FRAME - pos, len(head))
+            k = min(self.frame - pos, len(head))
             out[pos:pos + k] = head[:k]
             pos += k
             self._queued -= k
@@ -77,11 +85,11 @@ class MicrophoneTrack(MediaStreamTrack):
         now = time.monotonic()
         if self._t0 is None:
             self._t0 = now
-        due = self._t0 + self._n * FRAME / RATE
+        due = self._t0 + self._n * self.frame / RATE
         if due > now:
             await asyncio.sleep(due - now)
         pcm = self._take()
-        pts = self._n * FRAME
+        pts = self._n * self.frame
         self.send_times[self._n] = time.monotonic()
         self.send_times.pop(self._n - self.max_log, None)
         self._n += 1
@@ -213,7 +221,14 @@ class RtcClient:
         return self.pc.localDescription.sdp
 
     async def accept_answer(self, answer_sdp: str, timeout: float = 60.0) -> None:
-        """Apply the answer and wait until the data channel is open."""
+        """Apply the answer and wait until the data channel is open.
+
+        The answer's a=ptime sets the microphone's packet time (libwebrtc does the same for Opus);
+        aiortc itself ignores it.
+        """
+        ptime = re.search(r"^a=ptime:(\d+)", answer_sdp, re.MULTILINE)
+        if ptime and int(ptime.group(1)) in (10, 20):
+            self.mic.set_frame_ms(int(ptime.group(1)))
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
         await asyncio.wait_for(self._channel_open.wait(), timeout)
 

@@ -38,7 +38,7 @@ import aiohttp
 import numpy as np
 import yaml
 
-from lychee_rtc.bench.client import FRAME, RATE, RtcClient
+from lychee_rtc.bench.client import RATE, RtcClient
 from lychee_rtc.bench.probes import percentile
 from lychee_rtc.bench.server_process import spawned_server
 from lychee_rtc.bench.soak import parse_metrics
@@ -135,7 +135,7 @@ async def speak_turns(client: RtcClient, index: int, utterances: list[tuple[str,
         out.append(turn)
         end = round(client.mic.feed(pcm) * RATE) + len(pcm)
         await client.wait_sent(end, timeout=len(pcm) / RATE + answer_timeout_s)
-        last_frame = (end - 1) // FRAME
+        last_frame = (end - 1) // client.mic.frame
         spoken_at = client.mic.send_times.get(last_frame, time.monotonic())
         mark = len(client.events)
         client.send({"type": "input_audio_buffer.commit"})
@@ -144,7 +144,7 @@ async def speak_turns(client: RtcClient, index: int, utterances: list[tuple[str,
         except asyncio.TimeoutError:
             return out  # no answer: the turn stays unanswered, the caller stops
         offset = started["sample_offset"] * RATE // started["sample_rate"]
-        await client.wait_audio(offset + FRAME, timeout=answer_timeout_s)
+        await client.wait_audio(offset + client.mic.frame, timeout=answer_timeout_s)
         arrival = min(t for off, a, t in client.received.chunks if off + len(a) > offset)
         turn.first_audio_ms = round((arrival - spoken_at) * 1000.0, 1)
         client.send({"type": "response.cancel"})

@@ -79,7 +79,7 @@ def analyse(client: RtcClient, starts: list[int], interval_s: float) -> list[flo
     limit = min(MAX_LATENCY_S, 0.95 * len(SIGNATURES) * interval_s)
     out: list[float | None] = []
     for k, start in enumerate(starts):
-        mouth = send_time(start, client.mic.send_times)
+        mouth = send_time(start, client.mic.send_times, client.mic.frame)
         match = None
         if mouth is not None:
             match = next((t for t in heard[k % len(SIGNATURES)] if mouth <= t <= mouth + limit), None)

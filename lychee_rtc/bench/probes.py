@@ -55,15 +55,15 @@ def find_onsets(signal: np.ndarray, probe: np.ndarray, threshold: float = 0.6) -
     return onsets
 
 
-def send_time(sample: int, frame_send_times: dict[int, float]) -> float | None:
+def send_time(sample: int, frame_send_times: dict[int, float], frame: int = FRAME) -> float | None:
     """When ``sample`` of the uplink entered the WebRTC sender: its frame's hand-over plus its place in it.
 
     The same convention as ``arrival_time`` on the other end, so the difference is the path's delay.
-    A physical microphone and loudspeaker would add their own buffering (e.g. half a 20 ms capture
+    A physical microphone and loudspeaker would add their own buffering (e.g. half a capture
     buffer on average) to any system measured this way.
     """
-    sent = frame_send_times.get(sample // FRAME)
-    return None if sent is None else sent + (sample % FRAME) / RATE
+    sent = frame_send_times.get(sample // frame)
+    return None if sent is None else sent + (sample % frame) / RATE
 
 
 def arrival_time(sample: int, chunks: list[tuple[int, int, float]]) -> float | None:

@@ -106,7 +106,7 @@ class Dialer:
             body["headers"] = {"P-Asserted-Identity": f"<{attempt.caller_id}>"}
         gw.counters.dialled += 1
         attempt.set_status("dialing")
-        await api.message(line.handle_id, body, {"type": "offer", "sdp": call.pc.localDescription.sdp})
+        await api.message(line.handle_id, body, {"type": "offer", "sdp": call.answer_sdp})
         assert attempt.sent is not None
         await asyncio.wait_for(asyncio.shield(attempt.sent), gw.settings.request_timeout_s)
         assert attempt.outcome is not None

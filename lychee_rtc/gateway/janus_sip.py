@@ -387,7 +387,7 @@ class JanusSipGateway:
                 self._decided(session_id, DecisionRefused(409, "call_ended", "the caller hung up"))
                 return
             await api.message(line.handle_id, {"request": "accept"},
-                              {"type": "answer", "sdp": call.pc.localDescription.sdp, "trickle": False})
+                              {"type": "answer", "sdp": call.answer_sdp, "trickle": False})
             self._decided(session_id)
             self.counters.answered += 1
             log.info("SIP gateway: call %s from %s answered by session %s", line.sip_call_id, origin["caller"],

@@ -9,7 +9,8 @@ process:
 * tells libavutil that the machine has one CPU (``av_cpu_force_count``), which is what FFmpeg's
   "automatic" thread counts are derived from - this covers the resamplers PyAV creates internally;
 * wraps aiortc's codec factories so each new encoder/decoder has a single-threaded codec context
-  and a ``FrameResampler`` (same interface, no worker thread, freed with the encoder).
+  and a ``FrameResampler`` (same interface, no worker thread, freed with the encoder), and each
+  audio encoder packetizes at its track's frame length (``packet_time``).
 
 The server does no video encoding, so nothing here needs FFmpeg's threads.
 """
@@ -26,6 +27,7 @@ from typing import Any, Callable
 import av
 
 from lychee_rtc.pcm import RESAMPLER_THREADS, FrameResampler
+from lychee_rtc.rtc.packet_time import frame_by_track
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,11 @@ def _limit(coder: Any) -> Any:
     return coder
 
 
-def _wrapped(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _wrapped(factory: Callable[[Any], Any], encoders: bool) -> Callable[[Any], Any]:
     def make(codec: Any) -> Any:
-        return _limit(factory(codec))
+        coder = _limit(factory(codec))
+        # An audio encoder also takes its packet time from the track (rtc/packet_time.py).
+        return frame_by_track(coder) if encoders and getattr(codec, "mimeType", "").startswith("audio/") else coder
 
     make.limits_threads = True  # type: ignore[attr-defined]
     return make
@@ -84,9 +88,10 @@ def limit_codec_threads() -> None:
     import aiortc.rtcrtpsender as sender
 
     for module, name in ((sender, "get_encoder"), (receiver, "get_decoder")):
+        encoders = name == "get_encoder"
         factory = getattr(module, name, None)
         if factory is None:
             log.warning("aiortc has no %s.%s: its codecs keep FFmpeg's default threads", module.__name__, name)
             continue
         if not getattr(factory, "limits_threads", False):
-            setattr(module, name, _wrapped(factory))
+            setattr(module, name, _wrapped(factory, encoders))

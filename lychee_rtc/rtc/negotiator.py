@@ -28,6 +28,7 @@ from lychee_rtc.rtc.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_e
 from lychee_rtc.rtc.inbound import consume_audio, drain
 from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
+from lychee_rtc.rtc.packet_time import with_ptime
 from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers
 from lychee_rtc.rtc.sctp_guard import SctpGuard
 from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
@@ -107,7 +108,7 @@ class RtcNegotiator:
     def _new_track(self) -> PacedAudioTrack:
         caps = self.registry.engine.capabilities
         return PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
-                               live=caps.live_passthrough)
+                               live=caps.live_passthrough, frame_ms=self.settings.rtc.send_frame_ms)
 
     async def _negotiate(self, call: RtcCall, offer_sdp: str) -> None:
         """Answer ``offer_sdp`` on ``call.pc`` with ``call.track``; on failure the peer is abandoned."""
@@ -144,6 +145,8 @@ class RtcNegotiator:
         call.codec = codec[0]
         track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
         call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
+        ptime = self.settings.rtc.receive_ptime_ms
+        call.answer_sdp = with_ptime(pc.localDescription.sdp, ptime) if ptime else pc.localDescription.sdp
         call.negotiated_at = time.monotonic()
 
     # --- our own offer (a call the server places) ----------------------------------------------------
@@ -168,6 +171,9 @@ class RtcNegotiator:
         except BaseException:
             await abandon(call.pc, track)
             raise
+        ptime = self.settings.rtc.receive_ptime_ms
+        # What the far end is given (here an offer), with our a=ptime as in an answer.
+        call.answer_sdp = with_ptime(call.pc.localDescription.sdp, ptime) if ptime else call.pc.localDescription.sdp
         return call
 
     async def complete_offer(self, call: RtcCall, answer_sdp: str) -> None:

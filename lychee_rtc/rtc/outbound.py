@@ -1,7 +1,7 @@
-"""The outbound audio track: engine PCM paced out as 20 ms frames on a monotonic schedule.
+"""The outbound audio track: engine PCM paced out as 20 ms (or 10 ms) frames on a monotonic schedule.
 
 aiortc's sender pulls ``recv()`` as fast as it returns, so the pacing lives here: frame ``n`` is
-released at ``t0 + n * 20 ms`` with pts ``n * frame_samples`` (continuous RTP timestamps), and a
+released at ``t0 + n * frame_ms`` with pts ``n * frame_samples`` (continuous RTP timestamps), and a
 frame of silence goes out whenever nothing is queued. The track writes at the negotiated codec's
 clock (48 kHz for Opus, 8 kHz for G.711) so the encoder never has to resample.
 """
@@ -23,7 +23,7 @@ from lychee_rtc.aio import wait_event
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout
 
-FRAME_MS = 20
+FRAME_MS = 20  # the default; rtc.send_frame_ms picks 10 (each frame is one RTP packet)
 # Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
 MAX_CATCH_UP_S = 0.2
 # Live mode: a frame may leave this much before its slot when its audio is already there, and a slot
@@ -53,6 +53,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         max_buffer_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         live: bool = False,
+        frame_ms: int = FRAME_MS,
     ) -> None:
         super().__init__()  # MediaStreamTrack's
         EpochSink.__init__(self, EpochPlayout(in_rate, out_rate, max_buffer_s), TrackCounters())
@@ -60,6 +61,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         self._t0: float | None = None
         self._frame_index = 0
         self.live = live
+        self.frame_ms = frame_ms
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -78,7 +80,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
 
     @property
     def frame_samples(self) -> int:
-        return self.out_rate * FRAME_MS // 1000
+        return self.out_rate * self.frame_ms // 1000
 
     @property
     def sent_samples(self) -> int:
@@ -96,9 +98,9 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         now = self._clock()
         if self._t0 is None:
             self._t0 = now
-        due = self._t0 + self._frame_index * FRAME_MS / 1000
+        due = self._t0 + self._frame_index * self.frame_ms / 1000
         if now - due > MAX_CATCH_UP_S:
-            self._t0 = now - self._frame_index * FRAME_MS / 1000
+            self._t0 = now - self._frame_index * self.frame_ms / 1000
             self.counters.reanchors += 1
         elif self.live:
             await self._wait_live(due)

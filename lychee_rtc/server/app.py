@@ -116,7 +116,7 @@ async def offer(request: web.Request) -> web.Response:
         return http.server_full(exc)
     except SdpError as exc:
         return http.sdp_refused(exc)
-    return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+    return http.json_response({"sdp": call.answer_sdp, "type": "answer",
                                "session_id": call.session.id, "session_token": call.token})
 
 
@@ -140,7 +140,7 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
         return http.error_response(exc.status, exc.code, exc.message)
     except SdpError as exc:
         return http.sdp_refused(exc)
-    return http.json_response({"sdp": call.pc.localDescription.sdp, "type": "answer",
+    return http.json_response({"sdp": call.answer_sdp, "type": "answer",
                                "session_id": call.session.id, "session_token": call.token})
 
 
@@ -156,7 +156,7 @@ async def whip_post(request: web.Request) -> web.Response:
         return http.sdp_refused(exc)
     location = f"/whip/{call.whip_resource}"
     headers = {"Location": location, **_whip_headers(call)}
-    response = web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
+    response = web.Response(status=201, text=call.answer_sdp, content_type="application/sdp",
                             headers=headers)
     for link in _ice_links(request.app[SETTINGS_KEY]):
         response.headers.add("Link", link)

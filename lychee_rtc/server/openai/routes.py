@@ -167,7 +167,7 @@ async def create_call(request: web.Request) -> web.Response:
         return http.server_full(exc, param=None)
     except SdpError as exc:
         return http.sdp_refused(exc, param="sdp")
-    return web.Response(status=201, text=call.pc.localDescription.sdp, content_type="application/sdp",
+    return web.Response(status=201, text=call.answer_sdp, content_type="application/sdp",
                         headers={"Location": f"{CALLS_PATH}/{call.session.id}"})
 
 

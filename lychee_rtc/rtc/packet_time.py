@@ -1,0 +1,84 @@
+"""Packet time: how much audio one RTP packet carries, in each direction.
+
+Sending: aiortc's audio encoders packetize 20 ms whatever they are given (their resampler re-frames
+the input, and FFmpeg's libopus encodes 20 ms frames by default). ``TrackFramedEncoder`` makes an
+encoder packetize at the duration of the first frame the track hands it, so the paced track's
+``frame_ms`` (``rtc.send_frame_ms``) is what goes on the wire: a 10 ms packet leaves 10 ms sooner,
+and the receiver's jitter buffer works in 10 ms steps.
+
+Receiving: ``a=ptime`` in the answer (``with_ptime``, RFC 4566 section 6) asks the peer to send
+packets of that length; libwebrtc sizes its Opus frames from it, other senders may ignore it, and
+the inbound path takes any packet length either way.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from lychee_rtc.pcm import FrameResampler
+
+# Packet lengths both directions accept: what every Opus and G.711 stack sends and receives.
+PACKET_MS = (10, 20)
+
+
+class TrackFramedEncoder:
+    """Wraps one of aiortc's audio encoders; sized from the first frame, then passes through."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._sized = False
+
+    def encode(self, frame: Any, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:
+        if not self._sized:
+            self._sized = True
+            self._size_for(frame)
+        return self._inner.encode(frame, force_keyframe)
+
+    def pack(self, packet: Any) -> tuple[list[bytes], int]:
+        return self._inner.pack(packet)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _size_for(self, frame: Any) -> None:
+        ms = frame.samples * 1000 / frame.sample_rate
+        resampler = getattr(self._inner, "resampler", None)
+        if ms not in PACKET_MS or not isinstance(resampler, FrameResampler):
+            return  # an encoder we do not know how to re-frame keeps its own packet time
+        samples = resampler.rate * int(ms) // 1000
+        if resampler.frame_size == samples:
+            return
+        self._inner.resampler = FrameResampler(resampler.format, resampler.layout, resampler.rate, samples)
+        context = self._inner.codec
+        if context.name == "libopus":  # read when the context opens, at its first frame
+            context.options = {**dict(context.options), "frame_duration": str(int(ms))}
+
+
+def frame_by_track(encoder: Any) -> TrackFramedEncoder:
+    return TrackFramedEncoder(encoder)
+
+
+def with_ptime(sdp: str, ptime_ms: int) -> str:
+    """``sdp`` with ``a=ptime:<ptime_ms>`` in every audio section (replacing one that is there)."""
+    lines = sdp.split("\r\n")
+    out: list[str] = []
+    in_audio = False
+    for line in lines:
+        if line.startswith("m="):
+            if in_audio:
+                _insert_before_trailing_blank(out, f"a=ptime:{ptime_ms}")
+            in_audio = line.startswith("m=audio ")
+        elif in_audio and re.match(r"a=ptime:", line):
+            continue
+        out.append(line)
+    if in_audio:
+        _insert_before_trailing_blank(out, f"a=ptime:{ptime_ms}")
+    return "\r\n".join(out)
+
+
+def _insert_before_trailing_blank(out: list[str], line: str) -> None:
+    at = len(out)
+    while at > 0 and out[at - 1] == "":
+        at -= 1
+    out.insert(at, line)
