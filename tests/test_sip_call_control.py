@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 
 import numpy as np
 import openai
@@ -22,6 +23,7 @@ from sip_tools import RATE, LoopbackCapture, run_sipp, sipp_uac_scenario, speech
 from test_rtc_echo import best_match
 from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
 
+from lychee_rtc.gateway.call_control import incoming_event, webhook_signature
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
 from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.native import NativeDialect
@@ -65,6 +67,20 @@ class WebhookReceiver:
         assert event.type == "realtime.call.incoming"
         assert json.loads(body)["object"] == "event"
         return event
+
+
+def test_webhook_signature_is_the_one_the_openai_package_verifies():
+    client = openai.OpenAI(api_key=KEY, base_url="http://127.0.0.1:9/v1", webhook_secret=SECRET)
+    event = incoming_event("sess_x", [{"name": "From", "value": "<sip:a@b>"}])
+    body = json.dumps(event)
+    stamp = int(time.time())
+    headers = {"webhook-id": event["id"], "webhook-timestamp": str(stamp),
+               "webhook-signature": webhook_signature(SECRET, event["id"], stamp, body)}
+    assert client.webhooks.unwrap(body, headers).data.call_id == "sess_x"
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        client.webhooks.unwrap(body, {**headers, "webhook-timestamp": str(stamp - 1)})
+    with pytest.raises(openai.InvalidWebhookSignatureError):  # another secret
+        client.webhooks.unwrap(body, headers, secret="whsec_" + base64.b64encode(b"x" * 32).decode())
 
 
 def controlled(stack, receiver: WebhookReceiver, **extra) -> dict:

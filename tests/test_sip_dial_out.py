@@ -21,11 +21,28 @@ from sip_tools import RATE, LoopbackCapture, Uas, sip_register, sipp_uas_scenari
 from test_rtc_echo import best_match
 from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
 
+from lychee_rtc.gateway.dial_out import sip_target, status_for_sip_code, valid_target
+from lychee_rtc.gateway.transfer import sipfrag_status
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
 from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.native import NativeDialect
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def test_targets_and_outcomes():
+    assert valid_target("sip:alice@example.com") and valid_target("sips:a@b;transport=tls")
+    assert valid_target("tel:+14155550123")
+    for bad in ("alice", "sip:example.com", "tel:abc", "http://x", "sip:a@b c", 7, None, "sip:" + "a" * 300 + "@b"):
+        assert not valid_target(bad), bad
+    assert sip_target("tel:+14155550123;phone-context=x", "sip:pbx.example.com:5060") == \
+        "sip:+14155550123@pbx.example.com:5060;user=phone"
+    assert sip_target("sip:a@b", "sip:r") == "sip:a@b"
+    assert [status_for_sip_code(c, None) for c in (486, 600, 603, 480, 408, 404, 500)] == \
+        ["busy", "busy", "declined", "no_answer", "no_answer", "failed", "failed"]
+    assert status_for_sip_code(487, "cancelled") == "cancelled" and status_for_sip_code(486, "cancelled") == "busy"
+    assert sipfrag_status("SIP/2.0 180 Ringing\r\n") == (180, "Ringing")
+    assert sipfrag_status("SIP/2.0 200 OK") == (200, "OK") and sipfrag_status("garbage") is None
 
 
 async def callee(stack, user: str = "alice") -> Uas:
@@ -93,20 +110,25 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
         assert ended["status"] == "completed" and ended["reason"] == "deleted"
         assert app[GATEWAY_KEY].counters.dial_answered == 1 and app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
         ringing = answered["ringing_at"] - dialled_at
-        first_audio = min(p.arrival for p in rtp) - answered["answered_at"] if rtp else float("nan")
-        print(f"dial to ringing {ringing * 1000:.0f} ms; answer to the first RTP from the server {first_audio * 1000:.0f} ms")
+        audio = [p.arrival for p in rtp if p.payload_type == 0]
+        first_audio = min(audio) - answered["answered_at"] if audio else float("nan")
+        leg_up = call.connected_at - call.negotiated_at
+        print(f"dial to ringing {ringing * 1000:.0f} ms; answer to the WebRTC leg up {leg_up * 1000:.0f} ms; "
+              f"answer to the first audio packet at the callee {first_audio * 1000:.0f} ms")
     score = best_match(received_audio(rtp), speech_8k)
     assert score > 0.7, f"echo correlation {score:.2f}"
 
 
-@pytest.mark.parametrize("answer, status, sip_status", [("486 Busy Here", "busy", 486),
-                                                        ("603 Decline", "declined", 603)])
-async def test_placed_call_refused(stack, tmp_path, answer, status, sip_status):
+@pytest.mark.parametrize("user, answer, status, sip_status", [("bob", "486 Busy Here", "busy", 486),
+                                                              ("+15550199", "603 Decline", "declined", 603)])
+async def test_placed_call_refused(stack, tmp_path, user, answer, status, sip_status):
     async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack)) as (url, app):
         await registered(app)
-        uas = await callee(stack, "bob")
+        uas = await callee(stack, user)
         far_end = asyncio.create_task(uas.run(sipp_uas_scenario(answer), tmp_path))
-        code, body = await place(url, f"sip:bob@127.0.0.1:{stack.ports.sip}")
+        # A tel: number is dialled as sip:<number>@<registrar>;user=phone (Janus takes SIP URIs only).
+        target = f"tel:{user}" if user.startswith("+") else f"sip:{user}@127.0.0.1:{stack.ports.sip}"
+        code, body = await place(url, target)
         assert code == 201, body
         tap = tap_attempt(app, body["id"])
         await wait_until(lambda: tap.of("session.closed"), 60, f"the {sip_status}")

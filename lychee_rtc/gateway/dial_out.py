@@ -32,6 +32,16 @@ def valid_target(uri: object) -> bool:
     return isinstance(uri, str) and len(uri) <= MAX_URI and SIP_URI.match(uri) is not None
 
 
+def sip_target(uri: str, registrar: str) -> str:
+    """What Janus is given to dial or refer to: a ``tel:`` number becomes a SIP URI at the registrar
+    (RFC 3261 19.1.6, ``user=phone``), since Janus's SIP plugin takes SIP URIs only."""
+    if not uri.startswith("tel:"):
+        return uri
+    number, _, _params = uri[4:].partition(";")
+    host = registrar.split(":", 1)[1].split(";", 1)[0]
+    return f"sip:{number}@{host};user=phone"
+
+
 def status_for_sip_code(code: int, we_gave_up: str | None) -> str:
     """What a final SIP status means for an attempt (``we_gave_up``: our own CANCEL's reason)."""
     if we_gave_up is not None and code in (0, 200, 487):

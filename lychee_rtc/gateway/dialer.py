@@ -9,7 +9,7 @@ from typing import Any
 
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.gateway.dial_out import OutboundCall, status_for_sip_code
+from lychee_rtc.gateway.dial_out import OutboundCall, sip_target, status_for_sip_code
 from lychee_rtc.gateway.janus_api import JanusError
 from lychee_rtc.gateway.line import Line
 from lychee_rtc.rtc.sdp import SdpError
@@ -100,7 +100,8 @@ class Dialer:
         api = gw._api
         if api is None:
             raise GatewayUnavailable("the connection to Janus was lost")
-        body: dict[str, Any] = {"request": "call", "uri": attempt.to, "call_id": attempt.sip_call_id}
+        body: dict[str, Any] = {"request": "call", "uri": sip_target(attempt.to, gw.settings.registrar),
+                                "call_id": attempt.sip_call_id}
         if attempt.caller_id:
             # The From is the registered identity; a trunk takes the caller id from this header.
             body["headers"] = {"P-Asserted-Identity": f"<{attempt.caller_id}>"}

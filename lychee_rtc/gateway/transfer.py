@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lychee_rtc.gateway.dial_out import sip_target
 from lychee_rtc.gateway.janus_api import JanusError
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class Transfers:
         transfer = line.transfer = Transfer(target_uri)
         self._emit(line, transfer)
         try:
-            await api.message(line.handle_id, {"request": "transfer", "uri": target_uri})
+            await api.message(line.handle_id, {"request": "transfer",
+                                                "uri": sip_target(target_uri, self.gateway.settings.registrar)})
         except (JanusError, ConnectionError, asyncio.TimeoutError) as exc:
             self._finish(line, transfer, "failed", reason=str(exc))
             return transfer
