@@ -430,10 +430,13 @@ def ensure_tools() -> None:
 
 # --- the far end of a call the server places -------------------------------------------------------
 
-def sip_register(registrar_port: int, user: str, contact_port: int, expires: int = 300,
+def sip_register(registrar_port: int, user: str, contact_port: int | None, expires: int = 300,
                  timeout: float = 5.0) -> int | None:
     """REGISTER ``sip:user@127.0.0.1`` at the registrar with a Contact on ``contact_port`` (where a
-    SIPp UAS listens); returns the final status (None: no answer). Kamailio here asks no password."""
+    SIPp UAS listens), or with ``contact_port=None`` remove every binding of the user (``Contact: *``);
+    returns the final status (None: no answer). Kamailio here asks no password."""
+    contact = "*" if contact_port is None else f"<sip:{user}@127.0.0.1:{contact_port}>"
+    expires = 0 if contact_port is None else expires
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         local = s.getsockname()[1]
@@ -445,7 +448,7 @@ def sip_register(registrar_port: int, user: str, contact_port: int, expires: int
                f"To: <sip:{user}@127.0.0.1:{registrar_port}>\r\n"
                f"Call-ID: {tag}@127.0.0.1\r\n"
                "CSeq: 1 REGISTER\r\n"
-               f"Contact: <sip:{user}@127.0.0.1:{contact_port}>\r\n"
+               f"Contact: {contact}\r\n"
                f"Expires: {expires}\r\nContent-Length: 0\r\n\r\n")
         s.settimeout(timeout)
         try:
@@ -523,21 +526,36 @@ Content-Length: 0
     return _scenario(body)
 
 
+def udp_bound(port: int) -> bool:
+    """Whether something on this host listens on UDP ``port`` (a SIPp that is ready for its INVITE)."""
+    for table in ("/proc/net/udp", "/proc/net/udp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local = line.split()[1]
+                if int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
 @dataclass
 class Uas:
-    """A SIPp callee listening on ``sip_port`` (run it with ``run``)."""
+    """A SIPp callee listening on ``sip_port`` (run it with ``run``; ``ready`` once it listens)."""
 
     sip_port: int
     media_port: int
 
-    async def run(self, scenario: str, workdir: Path, tag: str = "uas", timeout_s: float = 120.0) -> SippResult:
+    def ready(self) -> bool:
+        return udp_bound(self.sip_port)
+
+    async def run(self, scenario: str, workdir: Path, tag: str = "uas", timeout_s: float = 120.0,
+                  calls: int = 1) -> SippResult:
         xml = workdir / f"{tag}.xml"
         for stale in workdir.glob(f"{tag}_*"):
             stale.unlink()
         xml.write_text(scenario)
         errors = workdir / f"{tag}_errors.log"
         argv = ["sipp", "-sf", str(xml), "-i", "127.0.0.1", "-p", str(self.sip_port), "-mi", "127.0.0.1",
-                "-mp", str(self.media_port), "-m", "1", "-nostdin", "-timeout", f"{int(timeout_s)}s",
+                "-mp", str(self.media_port), "-m", str(calls), "-nostdin", "-timeout", f"{int(timeout_s)}s",
                 "-timeout_error", "-trace_err", "-error_file", str(errors), "-trace_msg",
                 "-message_file", str(workdir / f"{tag}_messages.log")]
         proc = await asyncio.create_subprocess_exec(*argv, cwd=workdir, stdout=asyncio.subprocess.PIPE,

@@ -79,7 +79,8 @@ class Dialer:
                 attempt.close_listeners()
         except BaseException as exc:
             if attempt.sent is not None and not attempt.sent.done():
-                attempt.sent.set_exception(exc if isinstance(exc, Exception) else GatewayUnavailable("stopped"))
+                refusal = GatewayUnavailable(f"Janus refused the call: {exc}") if isinstance(exc, JanusError) else exc
+                attempt.sent.set_exception(refusal if isinstance(refusal, Exception) else GatewayUnavailable("stopped"))
             if not attempt.final:
                 attempt.set_status("failed", reason=str(exc) or type(exc).__name__)
             if call is not None and line.session_id != call.session.id:
@@ -93,7 +94,20 @@ class Dialer:
                 log.warning("SIP gateway: call %s to %s failed: %r", attempt.id, attempt.to, exc)
         finally:
             if line.session_id is None and line.outbound is attempt:
+                if call is not None:
+                    await self._reset_webrtc(line)
                 line.outbound = None
+
+    async def _reset_webrtc(self, line: Line) -> None:
+        """Drop the WebRTC leg Janus began for an unanswered call: the handle takes a new offer next time
+        (without this Janus refuses the next call on the line: "Error setting ICE locally")."""
+        api = self.gateway._api
+        if api is None:
+            return
+        try:
+            await api.request({"janus": "hangup"}, line.handle_id)
+        except (JanusError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.debug("SIP gateway: resetting line %d: %s", line.handle_id, exc)
 
     async def _invite(self, line: Line, attempt: OutboundCall, call: Any) -> None:
         gw = self.gateway

@@ -19,7 +19,7 @@ import numpy as np
 
 from lychee_rtc.gateway.janus_api import JanusError
 from lychee_rtc.pcm import PcmResampler
-from lychee_rtc.gateway.transfer import CallActionRefused
+from lychee_rtc.gateway.errors import CallActionRefused
 
 log = logging.getLogger(__name__)
 

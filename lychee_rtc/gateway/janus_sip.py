@@ -24,10 +24,12 @@ from lychee_rtc.engine.base import DTMF_DIGITS, SessionOptions
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.gateway.call_control import CallControl, DecisionRefused
+from lychee_rtc.gateway.consult import Consults
 from lychee_rtc.gateway.dialer import Dialer
 from lychee_rtc.gateway.janus_api import JanusApi, JanusError
 from lychee_rtc.gateway.line import Line
-from lychee_rtc.gateway.transfer import CallActionRefused, Transfers
+from lychee_rtc.gateway.errors import CallActionRefused
+from lychee_rtc.gateway.transfer import Transfers
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.session.protocol import ProtocolError
@@ -103,12 +105,14 @@ class JanusSipGateway:
     _stopping: bool = False
     dialer: Dialer = field(init=False)
     transfers: Transfers = field(init=False)
+    consults: Consults = field(init=False)
     control: CallControl | None = field(init=False)
     hold_audio: Any = None  # the music on hold at the engine's output rate, loaded at the first hold
 
     def __post_init__(self) -> None:
         self.dialer = Dialer(self)
         self.transfers = Transfers(self)
+        self.consults = Consults(self)
         s = self.settings
         self.control = None if s.webhook_url is None else CallControl(
             s.webhook_url, s.webhook_secret or "", s.webhook_timeout_s, s.decision_timeout_s)

@@ -18,20 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lychee_rtc.gateway.dial_out import sip_target
+from lychee_rtc.gateway.errors import CallActionRefused
+from lychee_rtc.gateway.hold import set_hold
 from lychee_rtc.gateway.janus_api import JanusError
 
 log = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT_S = 30.0
+# What a caller's phone answers when it cannot call a Refer-To that carries Replaces: a URI with
+# headers it does not take (400), the extension (420), no such dialog (481), not implemented (501).
+NO_REPLACES = frozenset({400, 420, 481, 501})
 SIPFRAG = re.compile(r"^SIP/2\.0\s+(\d{3})\s*(.*)$")
-
-
-class CallActionRefused(Exception):
-    """A call action (transfer, hold) refused: an HTTP status, an error code and a message."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 def sipfrag_status(content: str) -> tuple[int, str] | None:
@@ -44,6 +41,10 @@ def sipfrag_status(content: str) -> tuple[int, str] | None:
 @dataclass
 class Transfer:
     target_uri: str
+    # An attended transfer: the SIP Call-ID of our call to the target that the caller's INVITE
+    # replaces (REFER with Replaces), and that call's session, ended once the caller is through.
+    replaces: str | None = None
+    consult_session: str | None = None
     status: str = "requested"
     sip_status: int | None = None
     reason: str | None = None
@@ -69,8 +70,10 @@ class Transfers:
     def line_of(self, session_id: str) -> Line | None:
         return next((ln for ln in self.gateway._lines.values() if ln.session_id == session_id), None)
 
-    async def start(self, session_id: str, target_uri: str) -> Transfer:
-        """Send the REFER; raise CallActionRefused when this call cannot be transferred now."""
+    async def start(self, session_id: str, target_uri: str, replaces: str | None = None,
+                    consult_session: str | None = None) -> Transfer:
+        """Send the REFER (with ``replaces``: attended); raise CallActionRefused when this call cannot
+        be transferred now."""
         line = self.line_of(session_id)
         call = self.gateway.registry.calls.get(session_id)
         if line is None or call is None or call.session.closed:
@@ -81,11 +84,13 @@ class Transfers:
         api = self.gateway._api
         if api is None:
             raise CallActionRefused(503, "gateway_unavailable", "the connection to Janus is down")
-        transfer = line.transfer = Transfer(target_uri)
+        transfer = line.transfer = Transfer(target_uri, replaces, consult_session)
         self._emit(line, transfer)
+        body = {"request": "transfer", "uri": sip_target(target_uri, self.gateway.settings.registrar)}
+        if replaces is not None:
+            body["replace"] = replaces  # Janus builds the Refer-To's Replaces from that call's dialog
         try:
-            await api.message(line.handle_id, {"request": "transfer",
-                                                "uri": sip_target(target_uri, self.gateway.settings.registrar)})
+            await api.message(line.handle_id, body)
         except (JanusError, ConnectionError, asyncio.TimeoutError) as exc:
             self._finish(line, transfer, "failed", reason=str(exc))
             return transfer
@@ -122,9 +127,40 @@ class Transfers:
             session_id = line.session_id
             if session_id is not None:  # the caller is with the target: our leg goes (BYE)
                 self.gateway._spawn(self.gateway.registry.close(session_id, "transferred"))
+            if transfer.consult_session is not None:  # and so does our call to the target, if still up
+                self.gateway._spawn(self.gateway.registry.close(transfer.consult_session, "transferred"))
+        elif transfer.replaces is not None and code in NO_REPLACES:
+            # The caller's phone cannot follow a Refer-To with Replaces: refer it plainly to the
+            # person, who was briefed already; our call to them ends when the caller is through.
+            log.info("SIP gateway: the caller refused Replaces (%d): referring without it", code)
+            transfer.replaces, transfer.reason = None, f"{code} {phrase}: retried without Replaces".strip()
+            self.gateway._spawn(self._refer_plainly(line, transfer))
         else:
             self._finish(line, transfer, "failed", code, phrase or None)
+            if transfer.consult_session is not None:  # an attended transfer that failed: back to the agent
+                self.gateway._spawn(self._back_to_caller(line.session_id))
         return True
+
+    async def _refer_plainly(self, line: Line, transfer: Transfer) -> None:
+        api = self.gateway._api
+        transfer.status, transfer.sip_status = "requested", None
+        self._emit(line, transfer)
+        try:
+            if api is None:
+                raise ConnectionError("the connection to Janus is down")
+            await api.message(line.handle_id, {"request": "transfer",
+                                                "uri": sip_target(transfer.target_uri, self.gateway.settings.registrar)})
+        except (JanusError, ConnectionError, asyncio.TimeoutError) as exc:
+            self._finish(line, transfer, "failed", reason=str(exc))
+            await self._back_to_caller(line.session_id)
+
+    async def _back_to_caller(self, session_id: str | None) -> None:
+        if session_id is None:
+            return
+        try:
+            await set_hold(self.gateway, session_id, False)
+        except CallActionRefused:  # the caller left meanwhile
+            pass
 
     def _finish(self, line: Line, transfer: Transfer, status: str, sip_status: int | None = None,
                 reason: str | None = None) -> None:

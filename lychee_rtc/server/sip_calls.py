@@ -21,7 +21,7 @@ from lychee_rtc.gateway.dial_out import valid_target
 from lychee_rtc.gateway.dialer import GatewayUnavailable
 from lychee_rtc.gateway.hold import set_hold
 from lychee_rtc.gateway.janus_sip import JanusSipGateway
-from lychee_rtc.gateway.transfer import CallActionRefused
+from lychee_rtc.gateway.errors import CallActionRefused
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.server import http
@@ -105,28 +105,74 @@ class SipCalls:
 
     # --- transfer ------------------------------------------------------------------------------------
 
+    def _session_of(self, key: str) -> str | None:
+        """The session id of a placed call's id, or ``key`` itself when it is a live session's id."""
+        attempt = self.gateway.dialer.find(key)
+        if attempt is not None and attempt.session is not None:
+            return attempt.session.id
+        return key if key in self.registry.calls else None
+
     async def transfer(self, request: web.Request) -> web.Response:
-        """Blind transfer (REFER) of a SIP call: a placed call's id, or any SIP call's session id."""
+        """Transfer (REFER) a SIP call: blind to ``target_uri``, or attended to the target of its
+        ``consult`` call (REFER with Replaces). ``{call}``: a placed call's id or a SIP call's session id."""
         key = request.match_info["call"]
         try:
             body = await read_object(request)
-            unknown = set(body) - {"target_uri"}
+            unknown = set(body) - {"target_uri", "consult"}
+            if unknown:
+                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            if "consult" not in body and not valid_target(body.get("target_uri")):
+                raise http.BodyError(400, "invalid_target",
+                                     "field 'target_uri' must be a sip: URI with a user part or a tel: number")
+            if "consult" in body and not isinstance(body["consult"], str):
+                raise http.BodyError(400, "invalid_request", "field 'consult' must be the id of the call to the target")
+        except http.BodyError as exc:
+            return exc.response()
+        session_id = self._session_of(key)
+        if session_id is None:
+            return http.error_response(404, "call_not_found", f"no call {key!r}")
+        try:
+            if "consult" in body:
+                consult = self.gateway.consults.consult_of(session_id, body["consult"])
+                transfer = await self.gateway.transfers.start(
+                    session_id, body.get("target_uri") or consult.to, replaces=consult.sip_call_id,
+                    consult_session=consult.session.id)
+            else:
+                transfer = await self.gateway.transfers.start(session_id, body["target_uri"])
+        except CallActionRefused as exc:
+            return http.error_response(exc.status, exc.code, exc.message)
+        return http.json_response(transfer.state(), status=202)
+
+    async def consult(self, request: web.Request) -> web.Response:
+        """Attended transfer, first step: hold the caller and call the target (a placed call, 201)."""
+        key = request.match_info["call"]
+        try:
+            body = await read_object(request)
+            unknown = set(body) - {"target_uri", "session", "ring_timeout_s"}
             if unknown:
                 raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
             if not valid_target(body.get("target_uri")):
                 raise http.BodyError(400, "invalid_target",
                                      "field 'target_uri' must be a sip: URI with a user part or a tel: number")
+            timeout = body.get("ring_timeout_s", self.gateway.settings.ring_timeout_s)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                    or not 1 <= timeout <= MAX_RING_TIMEOUT_S:
+                raise http.BodyError(400, "invalid_request", f"ring_timeout_s must be 1 to {MAX_RING_TIMEOUT_S:.0f}")
+            options, _ = session_options(body.get("session"), self.registry.engine.capabilities.voices)
         except http.BodyError as exc:
             return exc.response()
-        attempt = self.gateway.dialer.find(key)
-        session_id = attempt.session.id if attempt is not None and attempt.session is not None else key
-        if attempt is None and session_id not in self.registry.calls:
+        session_id = self._session_of(key)
+        if session_id is None:
             return http.error_response(404, "call_not_found", f"no call {key!r}")
         try:
-            transfer = await self.gateway.transfers.start(session_id, body["target_uri"])
+            attempt = await self.gateway.consults.start(session_id, body["target_uri"], options, float(timeout))
         except CallActionRefused as exc:
             return http.error_response(exc.status, exc.code, exc.message)
-        return http.json_response(transfer.state(), status=202)
+        except ServerFull as exc:
+            return http.server_full(exc)
+        except GatewayUnavailable as exc:
+            return http.error_response(503, "gateway_unavailable", str(exc))
+        return http.json_response(attempt.resource(), status=201, headers={"Location": f"{CALLS_PATH}/{attempt.id}"})
 
     # --- hold ----------------------------------------------------------------------------------------
 
@@ -142,9 +188,8 @@ class SipCalls:
         except http.BodyError as exc:
             return exc.response()
         key = request.match_info["call"]
-        attempt = self.gateway.dialer.find(key)
-        session_id = attempt.session.id if attempt is not None and attempt.session is not None else key
-        if attempt is None and session_id not in self.registry.calls:
+        session_id = self._session_of(key)
+        if session_id is None:
             return http.error_response(404, "call_not_found", f"no call {key!r}")
         try:
             changed = await set_hold(self.gateway, session_id, held, body.get("direction"))
@@ -188,6 +233,7 @@ def add_routes(app: web.Application, settings: Settings, registry: CallRegistry,
     app.router.add_get(CALLS_PATH + "/{call}", calls.get)
     app.router.add_delete(CALLS_PATH + "/{call}", calls.delete)
     app.router.add_post(CALLS_PATH + "/{call}/transfer", calls.transfer)
+    app.router.add_post(CALLS_PATH + "/{call}/consult", calls.consult)
     app.router.add_post(CALLS_PATH + "/{call}/hold", calls.hold)
     app.router.add_post(CALLS_PATH + "/{call}/unhold", calls.hold)
     if with_events:

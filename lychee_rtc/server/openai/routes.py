@@ -28,7 +28,7 @@ from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.gateway.call_control import DEFAULT_REJECT, DecisionRefused
 from lychee_rtc.gateway.dial_out import valid_target
-from lychee_rtc.gateway.transfer import CallActionRefused
+from lychee_rtc.gateway.errors import CallActionRefused
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
