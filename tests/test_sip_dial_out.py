@@ -180,6 +180,13 @@ async def test_bad_requests_and_a_full_server_dial_nothing(stack, tmp_path):
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{url}/v1/telephony/calls/call_nope") as resp:
                 assert resp.status == 404
+        # Nobody of that name: the registrar's 404 is the outcome, and the slot comes back.
+        code, unknown = await place(url, f"sip:nobody@127.0.0.1:{stack.ports.sip}")
+        assert code == 201
+        await wait_until(lambda: app[GATEWAY_KEY].dialer.find(unknown["id"]).final, 60, "the registrar's answer")
+        final = await resource(url, unknown["id"])
+        assert (final["status"], final["sip_status"]) == ("failed", 404)
+        await wait_until(lambda: app[REGISTRY_KEY].free == 1, 30, "the slot to come back")
         # Capacity is taken before dialling: with the one session in use, nothing is dialled.
         uas = await callee(stack, "dave")
         far_end = asyncio.create_task(uas.run(sipp_uas_scenario("never"), tmp_path))
@@ -188,7 +195,7 @@ async def test_bad_requests_and_a_full_server_dial_nothing(stack, tmp_path):
         assert code == 201
         code, second = await place(url, f"sip:dave@127.0.0.1:{stack.ports.sip}")
         assert code == 503 and second["error"]["code"] == "server_full"
-        assert app[GATEWAY_KEY].counters.dialled == 1
+        assert app[GATEWAY_KEY].counters.dialled == 2
         # Cancelling while it rings frees everything.
         await resource(url, first["id"], "DELETE")
         await wait_until(lambda: app[REGISTRY_KEY].free == 1, 30, "the slot to come back")
