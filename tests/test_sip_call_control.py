@@ -2,8 +2,9 @@
 
 The gateway announces each incoming SIPp call to a webhook receiver run here; the receiver checks
 the Standard Webhooks signature with ``client.webhooks.unwrap`` (the SDK's own verification), and
-the test answers with ``client.realtime.calls.accept`` / ``reject`` / ``hangup``, as an application
-written for OpenAI's SIP interface does.
+the test answers with ``client.realtime.calls.accept`` / ``reject`` / ``hangup`` and drives the
+accepted call over the sideband (``client.realtime.connect(call_id=…)``), as an application written
+for OpenAI's SIP interface does.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import numpy as np
 import openai
 import pytest
 from aiohttp import web
-from conftest import free_port, running_server, wait_until
+from conftest import free_port, running_server
 from openai import AsyncOpenAI
 from sip_tools import RATE, LoopbackCapture, run_sipp, sipp_uac_scenario, speech_pcap
 from test_rtc_echo import best_match
-from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
+from test_openai_python_sdk import next_event, read_until_closed
+from test_openai_realtime import assert_ga_events_valid
+from test_sip_gateway import gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
 
 from lychee_rtc.gateway.call_control import incoming_event, webhook_signature
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
-from lychee_rtc.session.event_stream import EventChannel
-from lychee_rtc.session.native import NativeDialect
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -110,10 +111,17 @@ async def test_incoming_call_is_announced_accepted_heard_and_hung_up(stack, tmp_
             assert call.session.options.instructions == "You are the front desk."
             with pytest.raises(openai.ConflictError):  # decided once
                 await client.realtime.calls.reject(call_id)
-            tap = EventTap()
-            NativeDialect(call.session, EventChannel(tap)).attach()
-            await wait_until(lambda: tap.of("output_audio_buffer.stopped"), 90, "the bot to answer")
-            await client.realtime.calls.hangup(call_id)
+            # The application drives the phone call over the sideband, as it would OpenAI's.
+            seen: list[dict] = []
+            async with client.realtime.connect(call_id=call_id) as conn:
+                await next_event(conn, "session.created", seen)
+                await conn.session.update(session={"type": "realtime", "instructions": "Be very brief."})
+                updated = await next_event(conn, "session.updated", seen)
+                assert updated.session.instructions == "Be very brief."
+                await next_event(conn, "output_audio_buffer.stopped", seen, timeout=90)  # the bot answered
+                await client.realtime.calls.hangup(call_id)
+                await asyncio.wait_for(read_until_closed(conn, seen), 10)  # the sideband ends with the call
+            assert_ga_events_valid(seen)
             result = await sipp  # the caller got the BYE
             assert result.returncode == 0, result.explain()
             rtp = await capture.stop()
