@@ -9,6 +9,7 @@ dotted key.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
@@ -247,6 +248,9 @@ class JanusGatewaySettings(_Section):
     decision_timeout_s: float = Field(30.0, gt=0, le=300)
     # A placed call rings this long by default before it counts as not answered (the request may say).
     ring_timeout_s: float = Field(30.0, ge=1, le=300)
+    # A configured transfer rule: a key the caller presses -> where the call is transferred (blind),
+    # e.g. {"0": "sip:operator@pbx.example.com"} for "press 0 for a person".
+    transfer_keys: dict[str, str] = Field(default_factory=dict)
     # Music on hold: a WAV file played, looped, to a held caller (hold then defaults to a=sendonly);
     # None: silence (a=inactive).
     hold_audio: Path | None = None
@@ -255,6 +259,11 @@ class JanusGatewaySettings(_Section):
     def _webhook_needs_secret(self) -> "JanusGatewaySettings":
         if self.webhook_url is not None and self.webhook_secret is None:
             raise ValueError("gateway.janus.webhook_url needs webhook_secret (whsec_<base64>) to sign its webhooks")
+        for key, target in self.transfer_keys.items():
+            if len(key) != 1 or key.upper() not in "0123456789*#ABCD":
+                raise ValueError(f"gateway.janus.transfer_keys: {key!r} is not a keypad key")
+            if not re.match(r"^(sips?:[^@\s<>\"]+@[^\s<>\"]+|tel:\+?[0-9*#][0-9*#().-]*)$", target):
+                raise ValueError(f"gateway.janus.transfer_keys[{key!r}]: {target!r} is not a sip: or tel: URI")
         if self.hold_audio is not None and not self.hold_audio.is_file():
             raise ValueError(f"gateway.janus.hold_audio {str(self.hold_audio)!r} is not a file")
         return self

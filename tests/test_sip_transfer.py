@@ -24,6 +24,8 @@ from test_sip_dial_out import callee
 from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
 
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
+from lychee_rtc.session.event_stream import EventChannel
+from lychee_rtc.session.native import NativeDialect
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -270,6 +272,41 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
         finally:
             await sip_capture.stop()
             await http.close()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def test_a_configured_key_sends_the_caller_to_a_person(stack, tmp_path, speech_8k):
+    """``gateway.janus.transfer_keys``: the caller presses 0 (RFC 4733 from baresip) and is referred."""
+    conf = baresip_config(tmp_path, speech_8k)
+    async with running_server("configs/telephony.yaml", session={"window_grace_ms": 400},
+                              gateway=gateway_overrides(stack, transfer_keys={
+                                  "0": f"sip:operator@127.0.0.1:{stack.ports.sip}"})) as (url, app):
+        await registered(app)
+        operator = await callee(stack, "operator")
+        far_end = asyncio.create_task(operator.run(sipp_uas_scenario("answer", hold_ms=120000), tmp_path))
+        await wait_until(operator.ready, 30, "SIPp to listen")
+        proc = await asyncio.create_subprocess_exec(
+            "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "120",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            (call,) = await answered_calls(app)
+            tap = EventTap()
+            NativeDialect(call.session, EventChannel(tap)).attach()
+            await wait_until(lambda: call.connected_at is not None, 60, "the WebRTC leg to Janus")
+            proc.stdin.write(b"0")  # baresip's menu sends a key pressed during a call as DTMF
+            await proc.stdin.drain()
+            await wait_until(lambda: call.session.closed, 60, "the caller to reach the operator")
+            assert call.session.close_reason == "transferred"
+            keys = [e["event"] for e in tap.of("input_audio_buffer.dtmf_event_received")]
+            assert keys[:1] == ["0"], keys
+            assert [e["status"] for e in tap.of("call.transfer")][-1] == "completed"
+            proc.stdin.write(b"/hangup\n")
+            await proc.stdin.drain()
+            result = await far_end
+            assert result.returncode == 0, result.explain()
+        finally:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()

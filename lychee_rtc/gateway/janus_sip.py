@@ -316,10 +316,18 @@ class JanusSipGateway:
     # --- transfers ----------------------------------------------------------------------------------
 
     def allow_transfer(self, session) -> None:
-        """Let the session's clients (its event stream) ask for a blind transfer."""
+        """Let the session's clients (its event stream) ask for a blind transfer, and apply the
+        configured key rules (``transfer_keys``: a key the caller presses transfers the call)."""
         def handler(target_uri: str) -> None:
             self._spawn(self._transfer_for_client(session, target_uri))
         session.transfer_handler = handler
+        rules = {k.upper(): v for k, v in self.settings.transfer_keys.items()}
+        if rules:
+            def on_key(event: dict[str, Any]) -> None:
+                if event.get("type") == "input_audio_buffer.dtmf_event_received" and \
+                        str(event.get("event", "")).upper() in rules:
+                    handler(rules[str(event["event"]).upper()])
+            session.events.add_listener(on_key)
 
     async def _transfer_for_client(self, session, target_uri: str) -> None:
         try:
