@@ -269,6 +269,35 @@ class JanusGatewaySettings(_Section):
         return self
 
 
+class RecordingS3Settings(_Section):
+    """Finished recordings are also uploaded here (any S3-compatible store; needs the ``s3`` extra)."""
+
+    bucket: str = Field(min_length=3, max_length=63)
+    prefix: str = ""  # object keys: <prefix><session_id>/audio.ogg, events.jsonl, meta.json
+    endpoint_url: str | None = Field(None, pattern=r"^https?://")
+    region: str | None = None
+    # Unset: the usual AWS credential chain (environment, shared files, instance role).
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+
+
+class RecordingSettings(_Section):
+    """Call recording (docs/recording.md): the caller and what the caller heard, Ogg/Opus + a sidecar."""
+
+    # Record every session from its start; otherwise only sessions that ask (session.update).
+    enabled: bool = False
+    # Whether a client may turn its session's recording on, pause or resume it with session.update.
+    client_control: bool = True
+    directory: Path = Path("recordings")
+    bitrate: int = Field(32000, ge=12000, le=256000)  # both channels together, bits per second
+    # Retention, enforced at start-up and whenever a recording ends: older or beyond the total go first.
+    max_age_s: float = Field(30 * 86400.0, gt=0)
+    max_total_bytes: int = Field(10 * 2**30, ge=2**20)
+    # Items (20 ms frames, events) waiting for the writer thread; beyond it they are dropped and counted.
+    queue_items: int = Field(2000, ge=50, le=100000)
+    s3: RecordingS3Settings | None = None
+
+
 class GatewaySettings(_Section):
     janus: JanusGatewaySettings = Field(default_factory=JanusGatewaySettings)
 
@@ -282,6 +311,7 @@ class Settings(_Section):
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     telephony: TelephonySettings = Field(default_factory=TelephonySettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    recording: RecordingSettings = Field(default_factory=RecordingSettings)
 
     @model_validator(mode="after")
     def _web_root_exists(self) -> "Settings":

@@ -142,6 +142,21 @@ async def test_the_plain_aiortc_relay_is_measured_the_same_way():
     assert call["down"]["packets"] > 100
 
 
+async def test_the_levers_bench_puts_10_ms_packets_on_the_wire_both_ways():
+    """A browser sends 10 ms packets when the answer asks for them, and the server sends 10 ms when told."""
+    from lychee_rtc.bench.levers import LEVERS, levers_table, measure_levers
+
+    default, both = LEVERS[0], next(lever for lever in LEVERS if lever.name == "10 ms packets both ways")
+    rows = await measure_levers(PageRun(probes=4, interval_ms=300), rounds=1, levers=[default, both])
+    by_name = {row["lever"]: row for row in rows}
+    for name, ms in ((default.name, 20), (both.name, 10)):  # the wall-clock duration over a packet count
+        assert by_name[name]["uplink_packet_ms"] == pytest.approx(ms, abs=1.5), by_name[name]
+        assert by_name[name]["downlink_packet_ms"] == pytest.approx(ms, abs=1.5), by_name[name]
+    for row in rows:
+        assert row["calls"] == 1 and row["heard"] >= 2 and row["server_cpu_percent"] > 0, row
+    assert both.name in levers_table(rows)
+
+
 async def test_server_parameter_measures_another_server():
     """The page comes from an echo server (chirps never come back from it); ?server= points at a loopback one."""
     async with spawned_server("echo") as (page_host, _), spawned_server("loopback") as (target, _):

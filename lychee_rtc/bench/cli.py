@@ -19,9 +19,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "lychee-step": ("lychee_rtc.bench.lychee_step", "per-window step time of the Lychee-FD runner (tiny model, CPU)"),
     "vocoder": ("lychee_rtc.bench.token2wav_bench", "Token2Wav streaming time and RTF per hop at C1/C2/C4"),
     "browser": ("lychee_rtc.bench.browser", "the /latency tester page in headless Chromium (mouth-to-ear, response latency); prints its JSON"),
+    "levers": ("lychee_rtc.bench.levers", "each browser latency lever (10 ms packets, loopback window, jitterBufferTarget) against the default and the aiortc relay"),
     "telephony": ("lychee_rtc.bench.telephony", "mouth-to-ear of a phone call through the carrier WebSocket (loopback engine)"),
     "soak": ("lychee_rtc.bench.soak", "calls that come and go for minutes; server memory, threads and fds over time"),
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),
+    "recording": ("lychee_rtc.bench.recording", "CPU and disk per recorded call-minute (Ogg/Opus + sidecar)"),
     "e2e": ("lychee_rtc.bench.e2e", "N callers speaking recorded utterances through the server (lychee profile)"),
 }
 

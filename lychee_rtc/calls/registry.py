@@ -19,9 +19,11 @@ from typing import Any, AsyncIterator, Callable
 
 from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.metrics import CallMetrics
+from lychee_rtc.calls.recording import CallRecording
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine, EngineSlot
+from lychee_rtc.media.recording.store import RecordingStore
 from lychee_rtc.session.session import DuplexSession
 from lychee_rtc.session.sink import AudioSink
 
@@ -33,11 +35,14 @@ FORCED_CLOSE_S = 1.0
 
 
 class CallRegistry:
-    def __init__(self, settings: Settings, engine: Engine, metrics: CallMetrics) -> None:
+    def __init__(self, settings: Settings, engine: Engine, metrics: CallMetrics,
+                 recordings: RecordingStore | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
+        self.recordings = recordings  # None: this server records no call
         self.calls: dict[str, Call] = {}
+        self.recording_of: dict[str, CallRecording] = {}
         self._reserved = 0
         self.closing = False  # set at shutdown: no new sessions
         # Put in every session id; a cluster worker sets its worker id here so that an entry can
@@ -93,13 +98,23 @@ class CallRegistry:
                              engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
                              origin=origin)
 
-    def register(self, call: Call) -> None:
-        """Count the call, start its session and its watchdog; closing the session tears it down."""
+    def register(self, call: Call, record: bool = False) -> None:
+        """Count the call, start its session and its watchdog; closing the session tears it down.
+
+        ``record``: the client asked for a recording from the start (the route checked that it may)."""
         session = call.session
         self.calls[session.id] = call
         self.metrics.sessions_total.inc()
         self.metrics.active_sessions.set(len(self.calls))
         session.on_close = lambda reason: self._teardown(call, reason)
+        if self.recordings is not None:
+            # A WHIP client holds no session token: its resource id is its secret, and opens its recording.
+            secret = getattr(call, "whip_resource", None) or call.token
+            recording = CallRecording(self.recordings, self.settings.recording, session, secret,
+                                      call.snapshot().get("transport", "unknown"))
+            session.recording = self.recording_of[session.id] = recording
+            if self.settings.recording.enabled or record:
+                recording.start()  # before the session starts: its first event is in the sidecar
         session.start()
         call.watchdog = asyncio.create_task(self._watchdog(call), name=f"watchdog-{session.id}")
 
@@ -183,6 +198,9 @@ class CallRegistry:
             return False
         for forget in self.on_removed:
             forget(call)
+        recording = self.recording_of.pop(call.session.id, None)
+        if recording is not None:
+            recording.close(reason)
         self.metrics.sessions_closed.labels(reason).inc()
         return True
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -27,12 +28,26 @@ class SinkCounters:
     trimmed_samples: int = 0  # passthrough engines: standing delay dropped
 
 
+class SentAudioTap(Protocol):
+    """Who hears what left for the caller (a call's recording)."""
+
+    def agent_sent(self, pcm: np.ndarray, rate: int, at: float) -> None:
+        """A frame left; ``at`` (monotonic): when the caller starts hearing it."""
+
+    def agent_cut(self, at: float) -> None:
+        """What was sent but not heard by ``at`` was taken back (a carrier's flush)."""
+
+
 class EpochSink:
-    """An ``AudioSink`` (session.sink) over one ``EpochPlayout``; ``counters`` is the transport's own."""
+    """An ``AudioSink`` (session.sink) over one ``EpochPlayout``; ``counters`` is the transport's own.
+
+    ``sent_tap``: told of every frame as it leaves, by the transport, which alone knows when that is.
+    """
 
     def __init__(self, playout: EpochPlayout, counters: SinkCounters) -> None:
         self.playout = playout
         self.counters = counters
+        self.sent_tap: SentAudioTap | None = None
         self._audio_arrived = asyncio.Event()  # set on every accepted write: the sender may go on
 
     @property

@@ -77,15 +77,17 @@ class RtcNegotiator:
     # --- offer / answer ----------------------------------------------------------------------------
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
-                     metrics: bool = False, origin: dict[str, Any] | None = None,
+                     metrics: bool = False, origin: dict[str, Any] | None = None, record: bool = False,
                      session_id: str | None = None) -> RtcCall:
         """``origin``: where the call came from when a connector places it (a SIP gateway's caller);
+        ``record``: the client asked for a recording from the start (its route checked that it may);
         ``session_id``: the id the call was announced under before it was answered (a webhook's)."""
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
             call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin,
                                        session_id)
+            self.registry.register(call, record=record)
         if self.registry.closing:  # shutdown began while this offer was being answered
             await self.registry.close(call.session.id, "server_shutdown")
             raise ServerFull(self.settings.session.retry_after_s)
@@ -102,7 +104,6 @@ class RtcNegotiator:
         self._calls[session.id] = call
         if call.whip_resource is not None:
             self._whip_resources[call.whip_resource] = session.id
-        self.registry.register(call)
         return call
 
     def _new_track(self) -> PacedAudioTrack:

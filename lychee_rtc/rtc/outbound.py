@@ -126,6 +126,11 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
     def _next_frame(self) -> av.AudioFrame:
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
+        if self.sent_tap is not None:
+            # RTP has no playout receipts: a frame is heard as it leaves, in its slot of the send
+            # schedule (the clock its RTP timestamps keep, also when a stalled frame goes out late).
+            assert self._t0 is not None
+            self.sent_tap.agent_sent(pcm, self.out_rate, self._t0 + self._frame_index * self.frame_ms / 1000)
         self._frame_index += 1
         self.counters.frames += 1
         if not marks and self.playout.playing is None:

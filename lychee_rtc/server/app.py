@@ -22,7 +22,8 @@ from lychee_rtc.rtc.call import RtcCall
 from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.rtc.trickle import add_remote_candidates
-from lychee_rtc.server import auth, http
+from lychee_rtc.media.recording.store import RecordingStore
+from lychee_rtc.server import auth, http, recordings
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.session_body import session_options
@@ -106,12 +107,17 @@ async def offer(request: web.Request) -> web.Response:
         return await _resume(request, body)
     if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
         return http.unauthorized("missing or wrong bearer token")
+    raw_session = body.get("session")
     try:
-        options, metrics = session_options(body.get("session"), request.app[ENGINE_KEY].capabilities.voices)
+        options, metrics = session_options(raw_session, request.app[ENGINE_KEY].capabilities.voices)
     except http.BodyError as exc:
         return exc.response()
+    record = bool((raw_session or {}).get("recording", False))
+    if record and not request.app[SETTINGS_KEY].recording.client_control:
+        return http.error_response(400, "recording_not_allowed",
+                                   "session/recording: this server decides what is recorded (recording.client_control)")
     try:
-        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics)
+        call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics, record=record)
     except ServerFull as exc:
         return http.server_full(exc)
     except SdpError as exc:
@@ -286,7 +292,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = call_metrics
-    registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics)
+    store = RecordingStore(settings.recording)
+    registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics, store)
     profile = RealtimeProfile.build(settings, engine.capabilities)
     # What a WebRTC data channel speaks, by its label: the transport is handed this, not the dialects.
     dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
@@ -332,4 +339,5 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
+    recordings.install(app, store, registry, settings)
     return app

@@ -29,6 +29,7 @@ from lychee_rtc.session.event_stream import EventChannel, EventStream
 from lychee_rtc.session.message_rate import MessageRate
 from lychee_rtc.session.observer import SessionCounters, SessionObserver
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError, error_body
+from lychee_rtc.session.recording import RecordingControl
 from lychee_rtc.session.responses import Responses
 from lychee_rtc.session.sink import AudioSink
 from lychee_rtc.session.window_input import WindowInput
@@ -94,6 +95,8 @@ class DuplexSession:
         # with the target URI; None for calls that cannot be transferred.
         self.transfer_handler: Callable[[str], None] | None = None
         self.on_hold = False  # a phone call put on hold: the engine hears nothing and says nothing
+        # The call's recording, when the server records (calls.recording); None: it never can.
+        self.recording: RecordingControl | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -155,6 +158,7 @@ class DuplexSession:
             "output_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.output_rate},
             "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
             **({"origin": self.origin} if self.origin else {}),
+            **({"recording": self.recording.state()} if self.recording is not None else {}),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -169,6 +173,7 @@ class DuplexSession:
             "engine": self.engine_name,
             "active_response": self.responses.active,
             "age_s": round(self.clock() - self.created_at, 3),
+            **({"recording": self.recording.snapshot()} if self.recording is not None else {}),
             "counters": {
                 **asdict(self.counters),
                 **asdict(self.events.counters),
@@ -197,6 +202,8 @@ class DuplexSession:
         """A new transport plays the audio from now on, starting at the current epoch."""
         sink.cut(self.epoch)
         self.sink = sink
+        if self.recording is not None:
+            self.recording.rebind(sink)
         self.uplink.resync()
 
     def resume_channel(self, channel: EventChannel, last_seq: int) -> None:
@@ -215,11 +222,23 @@ class DuplexSession:
         if self.closed:
             return
         self.counters.input_samples += len(samples)
+        self._record_caller(samples)
         self.uplink.audio(samples, now)
 
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
         if not self.closed:
+            if self.recording is not None and self.recording.tap is not None:
+                lost = np.zeros(n, np.float32)  # the lost time keeps its place: concealment, then silence
+                if fill is not None:
+                    lost[:min(n, len(fill))] = fill[:n]
+                self._record_caller(lost)
             self.uplink.gap(n, now, fill)
+
+    def _record_caller(self, samples: np.ndarray) -> None:
+        """The recording's caller tap: concealed audio as it enters, before anything processes it."""
+        tap = self.recording.tap if self.recording is not None else None
+        if tap is not None:
+            tap.caller_audio(samples, self.capabilities.input_rate)
 
     def _push_window(self, window: Window) -> None:
         self.slot.push(window.samples, window.seq, self.epoch)
@@ -355,6 +374,10 @@ class DuplexSession:
             raise ProtocolError("invalid_voice", f"voice {voice!r} is not one of {list(voices)}", event_id)
         if voice is not None and not voices:
             raise ProtocolError("invalid_voice", f"engine {self.engine_name!r} has no selectable voices", event_id)
+        if "recording" in fields:
+            if self.recording is None:
+                raise ProtocolError("recording_unavailable", "this server does not record calls", event_id)
+            self.recording.set_recording(bool(fields["recording"]), event_id)
         effect: InstructionsEffect = "unchanged"
         changes = {k: fields[k] for k in ("voice", "temperature", "seed", "instructions") if k in fields}
         if "instructions" in changes and changes["instructions"] != self.options.instructions:

@@ -119,6 +119,8 @@ class CarrierPacer(EpochSink):
         self._since_mark = 0
         self._confirmed_position = self._sent_position
         self._carrier_until = self._clock()  # the flush empties the carrier's buffer
+        if self.sent_tap is not None:
+            self.sent_tap.agent_cut(self._carrier_until)
         self._mark_arrived.set()
         return CutReport(report.old_epoch, response_id, played, report.discarded_samples + max(0, unconfirmed),
                          report.sample_offset, report.rate)
@@ -195,16 +197,19 @@ class CarrierPacer(EpochSink):
             self._short_since = None
             if self.live:  # a passthrough engine: what queued up behind a stall is standing delay
                 self.trim_standing_delay(self.frame_samples)
-            self._carrier_until = max(self._carrier_until, now) + frame_s
-            self._send_frame()
+            plays_at = max(self._carrier_until, now)
+            self._carrier_until = plays_at + frame_s
+            self._send_frame(plays_at)
 
     async def _wait(self, event: asyncio.Event, timeout: float | None) -> None:
         event.clear()
         await wait_event(event, timeout)
 
-    def _send_frame(self) -> None:
+    def _send_frame(self, plays_at: float) -> None:
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
+        if self.sent_tap is not None:  # heard when the carrier plays it, by our estimate of its buffer
+            self.sent_tap.agent_sent(pcm, self.dialect.audio.rate, plays_at)
         self._send(self.dialect.media(self.dialect.audio.encode(pcm)), epoch)
         self.counters.frames += 1
         self._sent_position = offset + self.frame_samples

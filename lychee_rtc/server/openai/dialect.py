@@ -124,6 +124,8 @@ class RealtimeTranslator:
         note: dict[str, Any] = {"instructions": ev.get("instructions_effect", "unchanged")}
         if self._update_ignored is not None:
             note["ignored"] = list(self._update_ignored)
+        if "recording" in ev["session"]:  # the lychee_rtc.recording extension: the call's recording state
+            note["recording"] = ev["session"]["recording"]
         self._out("session.updated", session=self._session_object(ev["session"]), lychee_rtc=note)
 
     def _on_session_closed(self, ev: dict[str, Any]) -> None:

@@ -158,11 +158,15 @@ async def create_call(request: web.Request) -> web.Response:
         return exc.response(param=None)
     config = merge_configs(secret.session if secret else {}, session_part or {})
     try:
-        options = session_options(read_session_config(config, surface.profile))
+        request_cfg = read_session_config(config, surface.profile)
     except ProtocolError as exc:
         return error(400, exc.code, exc.message, param="session")
+    record = bool(request_cfg.changes.get("recording", False))
+    if record and not surface.settings.recording.client_control:
+        return error(400, "recording_not_allowed", "this server decides what is recorded: recording.client_control "
+                     "is off", param="session.lychee_rtc.recording")
     try:
-        call = await surface.rtc.create(sdp, options)
+        call = await surface.rtc.create(sdp, session_options(request_cfg), record=record)
     except ServerFull as exc:
         return http.server_full(exc, param=None)
     except SdpError as exc:

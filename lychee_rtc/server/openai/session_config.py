@@ -18,7 +18,7 @@ from lychee_rtc.session.protocol import ProtocolError, validator
 
 PCM_24K = {"type": "audio/pcm", "rate": 24000}
 # Fields read into options rather than compared (``expires_after`` belongs to a client secret request).
-HANDLED = {("type",), ("instructions",), ("audio", "output", "voice"), ("expires_after",)}
+HANDLED = {("type",), ("instructions",), ("audio", "output", "voice"), ("expires_after",), ("lychee_rtc", "recording")}
 _MISSING = object()
 
 
@@ -109,6 +109,14 @@ def read_session_config(raw: Any, profile: RealtimeProfile, event_id: str | None
             changes["voice"] = voice
         else:  # OpenAI's voice names do not exist here; the engine's own voice plays
             ignored.append("audio.output.voice")
+    extension = raw.get("lychee_rtc", _MISSING)
+    if extension is not _MISSING:
+        # OpenAI's Realtime API has no recording switch: this server's own field (docs/recording.md).
+        if not isinstance(extension, dict) or not isinstance(extension.get("recording", False), bool):
+            raise ProtocolError("invalid_session", "session.lychee_rtc must be an object whose `recording` is a "
+                                "boolean", event_id)
+        if "recording" in extension:
+            changes["recording"] = extension["recording"]
     actual = render_session(profile, session_id=None, instructions=None, voice=None, expires_at=None)
     ignored += _differences(raw, actual, ())
     return SessionRequest(changes, tuple(ignored))

@@ -1,0 +1,119 @@
+"""One session's recording as the event loop sees it: taps that copy a little and never wait.
+
+The caller channel is tapped where concealed uplink audio enters the session (``caller_audio``),
+before any processing of it; the agent channel where a transport lets a frame go to the caller
+(``agent_sent``, with the time the caller starts hearing it), and a carrier's flush takes back what
+it had not played (``agent_cut``). Session events go to the JSON-lines sidecar stamped on the same
+clock. Each tap puts one item on the writer's bounded queue; when it is full the item is dropped
+and counted, so a slow disk costs recorded audio, never the call's timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from lychee_rtc.jsonio import JsonError, strict_json_dumps
+from lychee_rtc.media.recording.timeline import RATE
+from lychee_rtc.media.recording.writer import RecordingWriter, WriterState
+
+log = logging.getLogger(__name__)
+
+CALLER, AGENT = 0, 1
+# Events the sidecar leaves out: per-window timing is noise next to the call's own events.
+SKIPPED_EVENTS = frozenset({"metrics"})
+
+
+class CallRecorder:
+    def __init__(self, session_id: str, writer: RecordingWriter, clock: Callable[[], float] = time.monotonic,
+                 started_at_wall: float | None = None) -> None:
+        self.session_id = session_id
+        self.writer = writer
+        self.clock = clock
+        self.paused = False
+        self.closed = False
+        self.started_at_wall = time.time() if started_at_wall is None else started_at_wall
+        self._warned_full = False
+
+    @property
+    def t0(self) -> float:
+        return self.writer.t0
+
+    @property
+    def state(self) -> WriterState:
+        return self.writer.state
+
+    def start(self, header: dict[str, Any]) -> None:
+        self.writer.start()
+        self._line({"t": 0.0, "type": "recording.started", **header})
+
+    # --- taps ----------------------------------------------------------------------------------------
+
+    def caller_audio(self, samples: np.ndarray, rate: int) -> None:
+        """Concealed caller audio as it enters the session: it ended now."""
+        if self.paused or self.closed or not len(samples):
+            return
+        at = self.clock() - len(samples) / rate
+        self._submit(("audio", CALLER, at, np.array(samples, dtype=np.float32), rate))
+
+    def agent_sent(self, pcm: np.ndarray, rate: int, at: float) -> None:
+        """A frame left for the caller; ``at``: when its first sample is heard (monotonic)."""
+        if self.paused or self.closed:
+            return
+        self._submit(("audio", AGENT, at, np.array(pcm, dtype=np.float32), rate))
+
+    def agent_cut(self, at: float) -> None:
+        """Audio sent but not yet heard was taken back (a carrier's flush): it never played."""
+        if not self.closed:
+            self._submit(("cut", AGENT, at))
+
+    def event(self, event: dict[str, Any]) -> None:
+        """A session event (an ``EventStream`` listener): a sidecar line, stamped now."""
+        if self.paused or self.closed or event.get("type") in SKIPPED_EVENTS:
+            return
+        self._line({"t": round(self.clock() - self.t0, 4), **event})
+
+    # --- control -------------------------------------------------------------------------------------
+
+    def set_paused(self, paused: bool) -> None:
+        """Paused: nothing is captured (the audio is silence, events are left out) until resumed."""
+        if paused == self.paused or self.closed:
+            return
+        if paused:
+            self._line({"t": round(self.clock() - self.t0, 4), "type": "recording.paused"})
+        self.paused = paused
+        if not paused:
+            self._line({"t": round(self.clock() - self.t0, 4), "type": "recording.resumed"})
+
+    def close(self, reason: str) -> None:
+        if self.closed:
+            return
+        now = self.clock()
+        self._line({"t": round(now - self.t0, 4), "type": "recording.stopped", "reason": reason,
+                    "items_dropped": self.state.counters.items_dropped})
+        self.closed = True
+        self.writer.finish(now)
+
+    def status(self) -> dict[str, Any]:
+        c = self.state.counters
+        state = "paused" if self.paused and self.state.status == "recording" else self.state.status
+        return {"state": state, **({"error": self.state.error} if self.state.error else {}),
+                "audio_bytes": c.audio_bytes, "seconds": round(c.encoded_samples / RATE, 3),
+                "items_dropped": c.items_dropped, "late_samples": c.late_samples}
+
+    # --- internals -----------------------------------------------------------------------------------
+
+    def _line(self, record: dict[str, Any]) -> None:
+        try:
+            text = strict_json_dumps(record)
+        except (JsonError, TypeError, ValueError):
+            return
+        self._submit(("line", text))
+
+    def _submit(self, item: tuple) -> None:
+        if not self.writer.submit(item) and not self._warned_full:
+            self._warned_full = True  # counted every time; said once
+            log.warning("session %s: the recording cannot keep up; dropping what it cannot take", self.session_id)

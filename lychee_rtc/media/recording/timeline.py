@@ -1,0 +1,136 @@
+"""Where recorded audio lands on the recording's one clock: pure placement, no I/O.
+
+Both channels arrive as streams that are continuous in samples (the uplink conceals its losses, the
+outbound side reads a continuous playout) but stamped with times that jitter. A chunk is placed
+right after the previous one of its channel while its stamp agrees with that within ``tolerance``;
+a larger disagreement is a real break (the caller's media stopped, the carrier idled between
+responses, a stall), and the channel re-anchors on the stamp. A chunk stamped earlier than its
+place means the anchor was late (the first chunk of a segment was delayed on its way in): the
+segment slides back to the earlier stamp, so each channel settles on its least-delayed arrival.
+That keeps each channel free of clicks from timestamp jitter and still puts a barge-in where it
+happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lychee_rtc.pcm import PcmResampler
+
+RATE = 48000  # the recording's rate: Opus's own, so the agent's WebRTC audio goes in untouched
+CHANNELS = ("caller", "agent")
+# A stamp this far from where the stream says the chunk belongs is a break, not jitter.
+TOLERANCE_S = 0.12
+# A stamp this much earlier than its place slides the segment back to it.
+SLIDE_S = 0.002
+
+
+@dataclass
+class PlacementCounters:
+    late_samples: int = 0  # arrived after their place had been written out: dropped
+    overflow_samples: int = 0  # beyond the buffer's reach (a stamp far in the future): dropped
+    reanchors: int = 0
+    slides: int = 0
+
+
+class MixBuffer:
+    """The not-yet-written stretch of the recording: ``base`` is the first sample not encoded."""
+
+    def __init__(self, capacity: int, counters: PlacementCounters) -> None:
+        self.base = 0
+        self.capacity = capacity
+        self.counters = counters
+        self.data = np.zeros((capacity, len(CHANNELS)), dtype=np.float32)
+        self.end = 0  # one past the last sample placed (absolute position)
+
+    def place(self, channel: int, position: int, samples: np.ndarray) -> None:
+        start = position - self.base
+        if start < 0:
+            late = min(-start, len(samples))
+            self.counters.late_samples += late
+            samples = samples[late:]
+            start = 0
+        room = self.capacity - start
+        if len(samples) > room:
+            self.counters.overflow_samples += len(samples) - max(room, 0)
+            samples = samples[:max(room, 0)]
+        if len(samples):
+            self.data[start:start + len(samples), channel] = samples
+            self.end = max(self.end, self.base + start + len(samples))
+
+    def erase(self, channel: int, position: int) -> None:
+        """Silence ``channel`` from ``position`` on (what a carrier's flush took back)."""
+        start = max(0, position - self.base)
+        self.data[start:, channel] = 0.0
+
+    def take(self, upto: int) -> np.ndarray:
+        """Samples ``[base, upto)``, handed out for encoding and forgotten here."""
+        n = max(0, min(upto - self.base, self.capacity))
+        out = self.data[:n].copy()
+        self.data[:self.capacity - n] = self.data[n:]
+        self.data[self.capacity - n:] = 0.0
+        self.base += n
+        return out
+
+
+class ChannelPlacer:
+    """One channel's continuity: a resampler to ``RATE`` and where its next sample goes."""
+
+    def __init__(self, channel: int, counters: PlacementCounters, tolerance_s: float = TOLERANCE_S) -> None:
+        self.channel = channel
+        self.counters = counters
+        self.tolerance_s = tolerance_s
+        self._rate = 0
+        self._resampler: PcmResampler | None = None
+        self._next: int | None = None  # output position of the next resampled sample
+        self._anchor_s = 0.0  # recording time of the segment's first input sample
+        self._consumed = 0  # input samples of this segment so far
+
+    def expected_s(self) -> float | None:
+        return None if self._next is None else self._anchor_s + self._consumed / self._rate
+
+    def push(self, buffer: MixBuffer, at_s: float, samples: np.ndarray, rate: int) -> None:
+        expected = self.expected_s()
+        if expected is None or rate != self._rate or abs(at_s - expected) > self.tolerance_s:
+            if expected is not None:
+                self.counters.reanchors += 1
+            self._finish_segment(buffer)
+            self._rate = rate
+            self._resampler = PcmResampler(rate, RATE) if rate != RATE else None
+            self._next = round(at_s * RATE)
+            self._anchor_s = at_s
+            self._consumed = 0
+        elif at_s < expected - SLIDE_S and self._next is not None:
+            early = expected - at_s
+            self.counters.slides += 1
+            self._anchor_s -= early
+            self._next -= round(early * RATE)
+        self._consumed += len(samples)
+        out = self._resampler.process(samples) if self._resampler is not None else samples
+        self._put(buffer, out)
+
+    def cut(self, buffer: MixBuffer, at_s: float) -> None:
+        """Nothing placed from ``at_s`` on was heard; the next chunk starts a new segment."""
+        self._drop_resampler()
+        self._next = None
+        buffer.erase(self.channel, round(at_s * RATE))
+
+    def close(self, buffer: MixBuffer) -> None:
+        self._finish_segment(buffer)
+
+    def _finish_segment(self, buffer: MixBuffer) -> None:
+        if self._resampler is not None:
+            self._put(buffer, self._resampler.flush())
+        self._drop_resampler()
+
+    def _drop_resampler(self) -> None:
+        if self._resampler is not None:
+            self._resampler.close()
+            self._resampler = None
+
+    def _put(self, buffer: MixBuffer, out: np.ndarray) -> None:
+        if len(out) and self._next is not None:
+            buffer.place(self.channel, self._next, out.astype(np.float32, copy=False))
+            self._next += len(out)
