@@ -79,6 +79,9 @@ class RtcSettings(_Section):
     # server sends, and the a=ptime its answers ask peers to send (null: the peer's own choice).
     send_frame_ms: Literal[10, 20] = 20
     receive_ptime_ms: Literal[10, 20] | None = None
+    # A passthrough engine (loopback): how early a frame whose audio is there may leave before its
+    # slot of the send clock. 0 sends on the clock exactly (regular packets, up to a frame held).
+    passthrough_lead_ms: float = Field(15.0, ge=0, le=20)
     # ICE consent (RFC 7675): the media path is given up when no consent check was answered this long.
     ice_consent_timeout_s: float = Field(30.0, ge=2, le=300)
 
