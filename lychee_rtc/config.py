@@ -9,6 +9,7 @@ dotted key.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
@@ -78,6 +79,9 @@ class RtcSettings(_Section):
     # server sends, and the a=ptime its answers ask peers to send (null: the peer's own choice).
     send_frame_ms: Literal[10, 20] = 20
     receive_ptime_ms: Literal[10, 20] | None = None
+    # A passthrough engine (loopback): how early a frame whose audio is there may leave before its
+    # slot of the send clock. 0 sends on the clock exactly (regular packets, up to a frame held).
+    passthrough_lead_ms: float = Field(15.0, ge=0, le=20)
     # ICE consent (RFC 7675): the media path is given up when no consent check was answered this long.
     ice_consent_timeout_s: float = Field(30.0, ge=2, le=300)
 
@@ -273,6 +277,35 @@ class JanusGatewaySettings(_Section):
     lines: int | None = Field(None, ge=1, le=257)
     reconnect_max_s: float = Field(5.0, gt=0, le=300)
     request_timeout_s: float = Field(10.0, gt=0, le=120)
+    # OpenAI-style SIP call control: with a URL, each incoming call is announced to it by a signed
+    # realtime.call.incoming webhook and waits (ringing) for POST /v1/realtime/calls/{id}/accept or
+    # /reject; without one, calls are answered at once. The secret is OpenAI's whsec_<base64> form.
+    webhook_url: str | None = Field(None, pattern=r"^https?://\S+$")
+    webhook_secret: str | None = Field(None, pattern=r"^whsec_[A-Za-z0-9+/]+={0,2}$")
+    webhook_timeout_s: float = Field(5.0, gt=0, le=60)
+    # How long a call announced by the webhook rings before it is declined (480) for want of an answer.
+    decision_timeout_s: float = Field(30.0, gt=0, le=300)
+    # A placed call rings this long by default before it counts as not answered (the request may say).
+    ring_timeout_s: float = Field(30.0, ge=1, le=300)
+    # A configured transfer rule: a key the caller presses -> where the call is transferred (blind),
+    # e.g. {"0": "sip:operator@pbx.example.com"} for "press 0 for a person".
+    transfer_keys: dict[str, str] = Field(default_factory=dict)
+    # Music on hold: a WAV file played, looped, to a held caller (hold then defaults to a=sendonly);
+    # None: silence (a=inactive).
+    hold_audio: Path | None = None
+
+    @model_validator(mode="after")
+    def _webhook_needs_secret(self) -> "JanusGatewaySettings":
+        if self.webhook_url is not None and self.webhook_secret is None:
+            raise ValueError("gateway.janus.webhook_url needs webhook_secret (whsec_<base64>) to sign its webhooks")
+        for key, target in self.transfer_keys.items():
+            if len(key) != 1 or key.upper() not in "0123456789*#ABCD":
+                raise ValueError(f"gateway.janus.transfer_keys: {key!r} is not a keypad key")
+            if not re.match(r"^(sips?:[^@\s<>\"]+@[^\s<>\"]+|tel:\+?[0-9*#][0-9*#().-]*)$", target):
+                raise ValueError(f"gateway.janus.transfer_keys[{key!r}]: {target!r} is not a sip: or tel: URI")
+        if self.hold_audio is not None and not self.hold_audio.is_file():
+            raise ValueError(f"gateway.janus.hold_audio {str(self.hold_audio)!r} is not a file")
+        return self
 
 
 class RecordingS3Settings(_Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import shutil
 import socket
@@ -236,10 +237,10 @@ def sipp_invite_sdp(dtmf: bool = True) -> str:
 
 
 def sipp_uac_scenario(pcap: Path | None, hold_ms: int, hangup: str = "caller", info_digits: str = "",
-                      info_after_ms: int = 0, expect_busy: bool = False) -> str:
+                      info_after_ms: int = 0, expect_busy: bool = False, refused_with: int | None = None) -> str:
     """A SIPp caller: INVITE with G.711 (and telephone-event), play ``pcap``, hold ``hold_ms``, then
     hang up (``hangup="caller"``) or wait for the callee's BYE (``"callee"``). ``expect_busy``: the
-    call must be refused with 486."""
+    call must be refused with 486; ``refused_with``: with that status."""
     invite = f"""
   <send retrans="500">
     <![CDATA[
@@ -262,9 +263,9 @@ Content-Length: [len]
   <recv response="180" optional="true"/>
   <recv response="183" optional="true"/>
 """
-    if expect_busy:
-        return _scenario(invite + """
-  <recv response="486"/>
+    if expect_busy or refused_with:
+        return _scenario(invite + f"""
+  <recv response="{refused_with or 486}"/>
   <send>
     <![CDATA[
 ACK sip:[service]@[remote_ip]:[remote_port] SIP/2.0
@@ -425,3 +426,147 @@ def ensure_tools() -> None:
     if missing:
         subprocess.run([str(REPO / "scripts" / "system-packages"), *missing], check=True,
                        env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+
+
+# --- the far end of a call the server places -------------------------------------------------------
+
+def sip_register(registrar_port: int, user: str, contact_port: int | None, expires: int = 300,
+                 timeout: float = 5.0) -> int | None:
+    """REGISTER ``sip:user@127.0.0.1`` at the registrar with a Contact on ``contact_port`` (where a
+    SIPp UAS listens), or with ``contact_port=None`` remove every binding of the user (``Contact: *``);
+    returns the final status (None: no answer). Kamailio here asks no password."""
+    contact = "*" if contact_port is None else f"<sip:{user}@127.0.0.1:{contact_port}>"
+    expires = 0 if contact_port is None else expires
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        local = s.getsockname()[1]
+        tag = os.urandom(6).hex()
+        msg = (f"REGISTER sip:127.0.0.1:{registrar_port} SIP/2.0\r\n"
+               f"Via: SIP/2.0/UDP 127.0.0.1:{local};branch=z9hG4bK{tag}\r\n"
+               "Max-Forwards: 70\r\n"
+               f"From: <sip:{user}@127.0.0.1:{registrar_port}>;tag={tag}\r\n"
+               f"To: <sip:{user}@127.0.0.1:{registrar_port}>\r\n"
+               f"Call-ID: {tag}@127.0.0.1\r\n"
+               "CSeq: 1 REGISTER\r\n"
+               f"Contact: {contact}\r\n"
+               f"Expires: {expires}\r\nContent-Length: 0\r\n\r\n")
+        s.settimeout(timeout)
+        try:
+            s.sendto(msg.encode(), ("127.0.0.1", registrar_port))
+            while True:
+                found = re.match(rb"SIP/2\.0 (\d{3}) ", s.recv(4096))
+                if found is None:
+                    return None
+                if int(found[1]) >= 200:
+                    return int(found[1])
+        except OSError:
+            return None
+
+
+def _reply(status: str, sdp: bool = False, to_tag: bool = True) -> str:
+    body = sipp_invite_sdp(dtmf=False) if sdp else ""
+    return f"""
+  <send{' retrans="500"' if sdp else ''}>
+    <![CDATA[
+SIP/2.0 {status}
+[last_Via:]
+[last_From:]
+[last_To:]{';tag=[pid]SIPpTag01[call_number]' if to_tag else ''}
+[last_Call-ID:]
+[last_CSeq:]
+[last_Record-Route:]
+Contact: <sip:callee@[local_ip]:[local_port]>
+{'Content-Type: application/sdp' + chr(10) if sdp else ''}Content-Length: [len]
+
+{body}
+    ]]>
+  </send>
+"""
+
+
+def sipp_uas_scenario(answer: str, pcap: Path | None = None, ring_ms: int = 300, hold_ms: int = 60000) -> str:
+    """A SIPp callee: rings, then ``answer``: "answer" (200 with G.711, plays ``pcap``, then waits up
+    to ``hold_ms`` for the server's BYE), a status like "486 Busy Here" (refused), or "never" (rings
+    until the caller's CANCEL, answered 200 and 487)."""
+    body = '  <recv request="INVITE" crlf="true"/>\n' + _reply("180 Ringing")
+    if answer == "never":
+        body += """
+  <recv request="CANCEL">
+    <action><ereg regexp="[0-9]+" search_in="hdr" header="CSeq:" assign_to="cseq"/></action>
+  </recv>
+""" + _reply("200 OK", to_tag=False) + """
+  <send>
+    <![CDATA[
+SIP/2.0 487 Request Terminated
+[last_Via:]
+[last_From:]
+[last_To:];tag=[pid]SIPpTag01[call_number]
+[last_Call-ID:]
+CSeq: [$cseq] INVITE
+Content-Length: 0
+
+    ]]>
+  </send>
+  <recv request="ACK"/>
+"""
+        return _scenario(body)
+    body += f'  <pause milliseconds="{ring_ms}"/>\n'
+    if answer != "answer":
+        return _scenario(body + _reply(answer) + '  <recv request="ACK"/>\n')
+    body += _reply("200 OK", sdp=True) + '  <recv request="ACK" crlf="true"/>\n'
+    if pcap is not None:
+        body += f"""
+  <nop>
+    <action>
+      <exec play_pcap_audio="{pcap}"/>
+    </action>
+  </nop>
+"""
+    body += f'  <recv request="BYE" timeout="{hold_ms}"/>\n' + _reply("200 OK", to_tag=False)
+    return _scenario(body)
+
+
+def udp_bound(port: int) -> bool:
+    """Whether something on this host listens on UDP ``port`` (a SIPp that is ready for its INVITE)."""
+    for table in ("/proc/net/udp", "/proc/net/udp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local = line.split()[1]
+                if int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+@dataclass
+class Uas:
+    """A SIPp callee listening on ``sip_port`` (run it with ``run``; ``ready`` once it listens)."""
+
+    sip_port: int
+    media_port: int
+
+    def ready(self) -> bool:
+        return udp_bound(self.sip_port)
+
+    async def run(self, scenario: str, workdir: Path, tag: str = "uas", timeout_s: float = 120.0,
+                  calls: int = 1) -> SippResult:
+        xml = workdir / f"{tag}.xml"
+        for stale in workdir.glob(f"{tag}_*"):
+            stale.unlink()
+        xml.write_text(scenario)
+        errors = workdir / f"{tag}_errors.log"
+        argv = ["sipp", "-sf", str(xml), "-i", "127.0.0.1", "-p", str(self.sip_port), "-mi", "127.0.0.1",
+                "-mp", str(self.media_port), "-m", str(calls), "-nostdin", "-timeout", f"{int(timeout_s)}s",
+                "-timeout_error", "-trace_err", "-error_file", str(errors), "-trace_msg",
+                "-message_file", str(workdir / f"{tag}_messages.log")]
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=workdir, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 30)
+        except asyncio.TimeoutError:
+            proc.kill()
+            out, err = await proc.communicate()
+        stats = errors.read_text(errors="replace") if errors.exists() else ""
+        messages = workdir / f"{tag}_messages.log"
+        stats += "\n" + (messages.read_text(errors="replace")[-4000:] if messages.exists() else "")
+        return SippResult(proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace"),
+                          err.decode(errors="replace"), stats)

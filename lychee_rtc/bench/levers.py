@@ -46,6 +46,9 @@ LEVERS = [
     Lever("10 ms packets both ways", {**SEND_10, **PTIME_10}),
     Lever("10 ms both ways, 10 ms loopback window", {**SEND_10, **PTIME_10,
                                                       "LYCHEE_RTC_ENGINE__ECHO__LOOPBACK_WINDOW_MS": "10"}),
+    Lever("10 ms both ways, sent on the server's clock (no lead)", {**SEND_10, **PTIME_10,
+                                                                   "LYCHEE_RTC_RTC__PASSTHROUGH_LEAD_MS": "0"}),
+    Lever("20 ms, sent on the server's clock (no lead)", {"LYCHEE_RTC_RTC__PASSTHROUGH_LEAD_MS": "0"}),
     Lever("jitterBufferTarget 0 on the page", jitter_buffer_target_ms=0.0),
     Lever("plain aiortc relay", relay=True),
 ]

@@ -90,17 +90,22 @@ class CallRegistry:
         finally:
             self._reserved -= 1
 
+    def new_session_id(self) -> str:
+        return f"sess_{self.id_prefix}{secrets.token_hex(8)}"
+
     def new_session(self, slot: EngineSlot, sink: AudioSink, options: SessionOptions,
                     metrics: bool = False, origin: dict[str, Any] | None = None,
-                    ingress: str = "webrtc", processing: dict[str, bool] | None = None) -> DuplexSession:
-        """``ingress``: ``webrtc`` (a browser's offer), ``whip``, ``sip`` (the gateway) or ``carrier``;
+                    session_id: str | None = None, ingress: str = "webrtc",
+                    processing: dict[str, bool] | None = None) -> DuplexSession:
+        """``session_id``: one promised before the call existed (``new_session_id``), else a new one.
+        ``ingress``: ``webrtc`` (a browser's offer), ``whip``, ``sip`` (the gateway) or ``carrier``;
         it picks the uplink processing the session starts with (``audio_processing`` settings), and
         ``processing`` changes it (ProcessingUnavailable if it asks for a stage that cannot run)."""
         caps = self.engine.capabilities
         stage = self._processing(ingress, processing or {})
         if stage is not None and isinstance(sink, EpochSink):
             sink.attach_reference(stage)  # the transport tells it what the caller's loudspeaker played
-        return DuplexSession(f"sess_{self.id_prefix}{secrets.token_hex(8)}", self.settings.session, slot, sink,
+        return DuplexSession(session_id or self.new_session_id(), self.settings.session, slot, sink,
                              engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
                              origin=origin, processing=stage)
 
@@ -168,6 +173,8 @@ class CallRegistry:
                 elif call.connected_at is None:
                     if now - call.connect_started_at() > s.connect_timeout_s:
                         await self.lose_path(call, "connect_timeout")
+                elif session.on_hold:  # a held caller's phone may send nothing at all
+                    continue
                 elif now - max(session.last_audio_at or 0.0, call.connected_at) > s.media_timeout_s:
                     await self.lose_path(call, "media_timeout")
         except asyncio.CancelledError:

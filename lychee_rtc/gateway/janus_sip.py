@@ -20,12 +20,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lychee_rtc.config import JanusGatewaySettings
-from lychee_rtc.engine.base import DTMF_DIGITS
+from lychee_rtc.engine.base import DTMF_DIGITS, SessionOptions
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
+from lychee_rtc.gateway.call_control import CallControl, DecisionRefused
+from lychee_rtc.gateway.consult import Consults
+from lychee_rtc.gateway.dialer import Dialer
 from lychee_rtc.gateway.janus_api import JanusApi, JanusError
+from lychee_rtc.gateway.line import Line
+from lychee_rtc.gateway.errors import CallActionRefused
+from lychee_rtc.gateway.transfer import Transfers
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
+from lychee_rtc.session.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +62,16 @@ def dtmf_from_info(content_type: str, content: str) -> str | None:
     return value if len(value) == 1 and value in DTMF_DIGITS else None
 
 
-@dataclass
-class Line:
-    """One Janus SIP plugin handle: at most one call at a time."""
-
-    handle_id: int
-    helper: bool
-    session_id: str | None = None  # the session answering the current call
-    sip_call_id: str | None = None
-    answering: bool = False
-    caller_hung_up: bool = False
-    registered: asyncio.Future | None = None
+def sip_headers(origin: dict[str, Any], result: dict[str, Any]) -> list[dict[str, str]]:
+    """The INVITE's identifying headers, as OpenAI's webhook lists them (no authorization headers)."""
+    caller = f"<{origin['caller']}>"
+    if origin.get("caller_name"):
+        caller = f'"{origin["caller_name"]}" {caller}'
+    headers = [{"name": "From", "value": caller}, {"name": "To", "value": f"<{origin['callee']}>"},
+               {"name": "Call-ID", "value": origin["sip_call_id"]}]
+    for name, value in (result.get("headers") or {}).items():  # Janus's incoming_header_prefixes, if set
+        headers.append({"name": str(name), "value": str(value)})
+    return headers
 
 
 @dataclass
@@ -81,6 +87,8 @@ class GatewayCounters:
     caller_hangups: int = 0
     server_hangups: int = 0
     dtmf_info: int = 0
+    dialled: int = 0
+    dial_answered: int = 0
 
 
 @dataclass
@@ -95,6 +103,19 @@ class JanusSipGateway:
     _task: asyncio.Task | None = None
     _call_tasks: set[asyncio.Task] = field(default_factory=set)
     _stopping: bool = False
+    dialer: Dialer = field(init=False)
+    transfers: Transfers = field(init=False)
+    consults: Consults = field(init=False)
+    control: CallControl | None = field(init=False)
+    hold_audio: Any = None  # the music on hold at the engine's output rate, loaded at the first hold
+
+    def __post_init__(self) -> None:
+        self.dialer = Dialer(self)
+        self.transfers = Transfers(self)
+        self.consults = Consults(self)
+        s = self.settings
+        self.control = None if s.webhook_url is None else CallControl(
+            s.webhook_url, s.webhook_secret or "", s.webhook_timeout_s, s.decision_timeout_s)
 
     # --- lifetime ----------------------------------------------------------------------------------
 
@@ -103,6 +124,8 @@ class JanusSipGateway:
 
     async def stop(self) -> None:
         self._stopping = True
+        for attempt in list(self.dialer.calls.values()):
+            await self.dialer.give_up(attempt, "cancelled")
         for line in list(self._lines.values()):
             if line.session_id is not None:
                 await self.registry.close(line.session_id, "server_shutdown")  # hangs the call up
@@ -119,8 +142,12 @@ class JanusSipGateway:
     def lines(self) -> int:
         return self.settings.lines or self.registry.capacity + 1
 
+    def carries(self, session_id: str) -> bool:
+        """Whether this session is one of the gateway's phone calls."""
+        return any(line.session_id == session_id for line in self._lines.values())
+
     def status(self) -> dict[str, Any]:
-        busy = sum(1 for line in self._lines.values() if line.session_id or line.answering)
+        busy = sum(1 for line in self._lines.values() if not line.free)
         return {"registered": self.registered, "lines": len(self._lines), "busy_lines": busy,
                 "counters": vars(self.counters).copy()}
 
@@ -153,6 +180,8 @@ class JanusSipGateway:
         self._api = None
         lines, self._lines = self._lines, {}
         for line in lines.values():
+            if line.outbound is not None and line.session_id is None:
+                line.outbound.far_end("hangup", 0, reason)
             if line.session_id is not None:
                 line.caller_hung_up = True  # nobody left to send a hangup to
                 await self.registry.close(line.session_id, reason)
@@ -217,6 +246,8 @@ class JanusSipGateway:
         if line is None:
             return
         kind = message.get("janus")
+        if line.outbound is not None and line.session_id is None and self.dialer.on_event(line, message):
+            return
         if kind == "hangup":  # the WebRTC leg went down (ICE/DTLS failure, or after a SIP hangup)
             self._caller_gone(line, f"gateway_{message.get('reason', 'hangup')}".replace(" ", "_").lower()[:40])
             return
@@ -227,10 +258,14 @@ class JanusSipGateway:
         event = result.get("event")
         if "error_code" in data:
             error = JanusError(int(data["error_code"]), str(data.get("error", "")))
+            if self.transfers.on_event(line, result, error=str(error)):
+                return
             if line.registered is not None and not line.registered.done():
                 line.registered.set_exception(error)
             else:
                 log.warning("SIP gateway: Janus line %d: %s", line.handle_id, error)
+            return
+        if self.transfers.on_event(line, result):
             return
         if event == "registered":
             if line.registered is not None and not line.registered.done():
@@ -266,6 +301,8 @@ class JanusSipGateway:
         if line.session_id is None:
             if line.answering:
                 line.caller_hung_up = True  # the answer in progress sees it and gives up
+                if self.control is not None and line.pending_call is not None:
+                    self.control.caller_gone(line.pending_call)
             return
         if line.caller_hung_up:  # Janus reports the SIP hangup and then the WebRTC leg going down
             return
@@ -275,6 +312,28 @@ class JanusSipGateway:
         line.caller_hung_up = True
         self.counters.caller_hangups += 1
         self._spawn(self.registry.close(line.session_id, reason))
+
+    # --- transfers ----------------------------------------------------------------------------------
+
+    def allow_transfer(self, session) -> None:
+        """Let the session's clients (its event stream) ask for a blind transfer, and apply the
+        configured key rules (``transfer_keys``: a key the caller presses transfers the call)."""
+        def handler(target_uri: str) -> None:
+            self._spawn(self._transfer_for_client(session, target_uri))
+        session.transfer_handler = handler
+        rules = {k.upper(): v for k, v in self.settings.transfer_keys.items()}
+        if rules:
+            def on_key(event: dict[str, Any]) -> None:
+                if event.get("type") == "input_audio_buffer.dtmf_event_received" and \
+                        str(event.get("event", "")).upper() in rules:
+                    handler(rules[str(event["event"]).upper()])
+            session.events.add_listener(on_key)
+
+    async def _transfer_for_client(self, session, target_uri: str) -> None:
+        try:
+            await self.transfers.start(session.id, target_uri)
+        except CallActionRefused as exc:
+            session.report_error(ProtocolError(exc.code, exc.message))
 
     # --- calls -------------------------------------------------------------------------------------
 
@@ -293,31 +352,55 @@ class JanusSipGateway:
             "callee": str(result.get("callee", "")),
             "sip_call_id": str(line.sip_call_id or ""),
         }
+        session_id: str | None = None
         try:
             if not jsep or jsep.get("type") != "offer" or not isinstance(jsep.get("sdp"), str):
                 # An offerless INVITE would need us to make the offer: not supported.
                 self.counters.rejected += 1
                 await self._decline(api, line, NOT_ACCEPTABLE)
                 return
+            options = SessionOptions()
+            if self.control is not None:
+                if self.registry.free <= 0:  # nothing to announce: it could not be accepted
+                    self.counters.busy += 1
+                    await self._decline(api, line, BUSY)
+                    return
+                session_id = line.pending_call = self.registry.new_session_id()
+                decision = await self.control.ask(session_id, sip_headers(origin, result))
+                line.pending_call = None
+                if decision[0] != "accept":
+                    if decision[0] != "gone":  # a caller who hung up was answered 487 by Janus already
+                        self.counters.rejected += 1
+                        log.info("SIP gateway: call %s declined %d: %s", line.sip_call_id, decision[1], decision[2])
+                        await self._decline(api, line, decision[1])
+                    self.control.finish(session_id, None if decision[0] == "reject" else
+                                        DecisionRefused(409, "call_ended", "the caller hung up"))
+                    return
+                options = decision[1]
             try:
-                call = await self.rtc.create(jsep["sdp"], origin=origin)
+                call = await self.rtc.create(jsep["sdp"], options, origin=origin, session_id=session_id)
             except ServerFull:
                 self.counters.busy += 1
                 log.info("SIP gateway: call %s from %s refused: no free session", line.sip_call_id, origin["caller"])
                 await self._decline(api, line, BUSY)
+                self._decided(session_id, DecisionRefused(503, "server_full", "all sessions are in use"))
                 return
             except SdpError as exc:
                 self.counters.rejected += 1
                 log.warning("SIP gateway: call %s refused: %s", line.sip_call_id, exc)
                 await self._decline(api, line, NOT_ACCEPTABLE)
+                self._decided(session_id, DecisionRefused(422, "unprocessable_sdp", str(exc)))
                 return
             line.session_id = call.session.id
+            self.allow_transfer(call.session)
             call.on_closed.append(lambda reason, line=line, sid=call.session.id: self._session_ended(line, sid, reason))
             if line.caller_hung_up:  # the caller gave up while the session was being created
                 await self.registry.close(call.session.id, "caller_hangup")
+                self._decided(session_id, DecisionRefused(409, "call_ended", "the caller hung up"))
                 return
             await api.message(line.handle_id, {"request": "accept"},
                               {"type": "answer", "sdp": call.answer_sdp, "trickle": False})
+            self._decided(session_id)
             self.counters.answered += 1
             log.info("SIP gateway: call %s from %s answered by session %s", line.sip_call_id, origin["caller"],
                      call.session.id)
@@ -327,7 +410,13 @@ class JanusSipGateway:
                 line.caller_hung_up = True
                 await self.registry.close(line.session_id, "gateway_error")
         finally:
-            line.answering = False
+            line.answering, line.pending_call = False, None
+            if self.control is not None and session_id is not None:
+                self._decided(session_id, DecisionRefused(502, "gateway_error", "the call could not be answered"))
+
+    def _decided(self, session_id: str | None, error: DecisionRefused | None = None) -> None:
+        if self.control is not None and session_id is not None:
+            self.control.finish(session_id, error)  # no-op once finished
 
     async def _decline(self, api: JanusApi, line: Line, code: int) -> None:
         await api.message(line.handle_id, {"request": "decline", "code": code})
@@ -336,7 +425,7 @@ class JanusSipGateway:
         """The session is over (caller hung up, timeout, DELETE, shutdown): end the call too."""
         if line.session_id != session_id:
             return
-        line.session_id = None
+        line.session_id, line.transfer = None, None
         api = self._api
         if line.caller_hung_up or api is None or self._lines.get(line.handle_id) is not line:
             return

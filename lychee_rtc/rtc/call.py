@@ -31,7 +31,7 @@ class RtcCall:
     tasks: list[asyncio.Task] = field(default_factory=list)
     connected_at: float | None = None
     etag: str = ""
-    answer_sdp: str = ""  # what the peer is answered with: the local description, with our a=ptime
+    answer_sdp: str = ""  # what the peer is given (our answer, or our offer for a placed call), with a=ptime
     has_audio: bool = False
     folded: dict[str, int] = field(default_factory=dict)  # counters already added to Prometheus
     # Called with the reason once the call is torn down (a SIP gateway hangs up its leg here).

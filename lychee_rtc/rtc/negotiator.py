@@ -78,15 +78,16 @@ class RtcNegotiator:
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
                      metrics: bool = False, origin: dict[str, Any] | None = None, record: bool = False,
-                     processing: dict[str, bool] | None = None) -> RtcCall:
+                     session_id: str | None = None, processing: dict[str, bool] | None = None) -> RtcCall:
         """``origin``: where the call came from when a connector places it (a SIP gateway's caller);
         ``record``: the client asked for a recording from the start (its route checked that it may);
+        ``session_id``: the id the call was announced under before it was answered (a webhook's);
         ``processing``: uplink processing asked for on top of the ingress's defaults (``audio_processing``)."""
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
             call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin,
-                                       processing)
+                                       session_id, processing)
             self.registry.register(call, record=record)
         if self.registry.closing:  # shutdown began while this offer was being answered
             await self.registry.close(call.session.id, "server_shutdown")
@@ -94,10 +95,11 @@ class RtcNegotiator:
         return call
 
     async def _connect(self, slot: EngineSlot, offer_sdp: str, options: SessionOptions, whip: bool, metrics: bool,
-                       origin: dict[str, Any] | None, processing: dict[str, bool] | None) -> RtcCall:
+                       origin: dict[str, Any] | None, session_id: str | None = None,
+                       processing: dict[str, bool] | None = None) -> RtcCall:
         track = self._new_track()
         ingress = "sip" if origin is not None else "whip" if whip else "webrtc"
-        session = self.registry.new_session(slot, track, options, metrics, origin, ingress=ingress,
+        session = self.registry.new_session(slot, track, options, metrics, origin, session_id, ingress=ingress,
                                             processing=processing)
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
                        whip_resource=new_whip_resource(self.registry.id_prefix) if whip else None,
@@ -111,7 +113,8 @@ class RtcNegotiator:
     def _new_track(self) -> PacedAudioTrack:
         caps = self.registry.engine.capabilities
         return PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
-                               live=caps.live_passthrough, frame_ms=self.settings.rtc.send_frame_ms)
+                               live=caps.live_passthrough, frame_ms=self.settings.rtc.send_frame_ms,
+                               live_lead_s=self.settings.rtc.passthrough_lead_ms / 1000)
 
     async def _negotiate(self, call: RtcCall, offer_sdp: str) -> None:
         """Answer ``offer_sdp`` on ``call.pc`` with ``call.track``; on failure the peer is abandoned."""
@@ -151,6 +154,56 @@ class RtcNegotiator:
         ptime = self.settings.rtc.receive_ptime_ms
         call.answer_sdp = with_ptime(pc.localDescription.sdp, ptime) if ptime else pc.localDescription.sdp
         call.negotiated_at = time.monotonic()
+
+    # --- our own offer (a call the server places) ----------------------------------------------------
+
+    async def prepare_offer(self, slot: EngineSlot, options: SessionOptions, origin: dict[str, Any]) -> RtcCall:
+        """A call the server places: a session and a peer connection holding our offer.
+
+        Nothing is registered yet: the far end may never answer. ``complete_offer`` registers the
+        call once the answer comes; ``discard_offer`` lets it go otherwise.
+        """
+        quiet_connects_of_closed_peers(asyncio.get_running_loop())
+        track = self._new_track()
+        session = self.registry.new_session(slot, track, options, False, origin)
+        call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
+                       token=None)
+        track.listener = session
+        self._wire(call, call.pc)
+        transceiver = call.pc.addTransceiver(track, direction="sendrecv")
+        transceiver.setCodecPreferences(self._codec_preferences())
+        try:
+            await call.pc.setLocalDescription(await call.pc.createOffer())
+        except BaseException:
+            await abandon(call.pc, track)
+            raise
+        ptime = self.settings.rtc.receive_ptime_ms
+        # What the far end is given (here an offer), with our a=ptime as in an answer.
+        call.answer_sdp = with_ptime(call.pc.localDescription.sdp, ptime) if ptime else call.pc.localDescription.sdp
+        return call
+
+    async def complete_offer(self, call: RtcCall, answer_sdp: str) -> None:
+        """Apply the far end's answer and register the call (its session starts here)."""
+        pc = call.pc
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
+        except Exception as exc:  # aiortc's parsers raise assorted errors on bad SDP
+            raise SdpError(f"cannot use SDP answer: {exc}") from None
+        install_consent_freshness(pc, self.settings.rtc.ice_consent_timeout_s,
+                                  lambda: self._consent_expired(call, pc))
+        codec = negotiated_audio_codec(answer_sdp)
+        if codec is None or codec[0].lower() == TELEPHONE_EVENT.split("/")[1]:
+            raise SdpError("the answer holds no audio codec we offered", unprocessable=True)
+        call.codec = codec[0]
+        call.track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
+        call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
+        call.negotiated_at = time.monotonic()
+        self._calls[call.session.id] = call
+        self.registry.register(call)
+
+    async def discard_offer(self, call: RtcCall) -> None:
+        """An offer nobody answered: drop its peer connection (the caller closes the session)."""
+        await abandon(call.pc, call.track)
 
     # --- resuming ----------------------------------------------------------------------------------
 

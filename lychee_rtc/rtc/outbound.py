@@ -55,6 +55,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         clock: Callable[[], float] = time.monotonic,
         live: bool = False,
         frame_ms: int = FRAME_MS,
+        live_lead_s: float = LIVE_LEAD_S,
     ) -> None:
         super().__init__()  # MediaStreamTrack's
         EpochSink.__init__(self, EpochPlayout(in_rate, out_rate, max_buffer_s), TrackCounters())
@@ -63,6 +64,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         self._frame_index = 0
         self.live = live
         self.frame_ms = frame_ms
+        self.live_lead_s = live_lead_s
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -115,10 +117,10 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         while True:
             now = self._clock()
             ready = self.playout.depth_samples >= n
-            if (ready and now >= due - LIVE_LEAD_S) or now >= due + LIVE_GRACE_S:
+            if (ready and now >= due - self.live_lead_s) or now >= due + LIVE_GRACE_S:
                 break
             self._audio_arrived.clear()
-            wake = (due - LIVE_LEAD_S) if ready else (due + LIVE_GRACE_S)
+            wake = (due - self.live_lead_s) if ready else (due + LIVE_GRACE_S)
             await wait_event(self._audio_arrived, wake - now)
         if self._clock() < due:
             self.counters.early_frames += 1

@@ -15,7 +15,6 @@ from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.metrics import CallMetrics
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
-from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
 from lychee_rtc.jsonio import JsonError, strict_json_loads
@@ -27,6 +26,7 @@ from lychee_rtc.media.recording.store import RecordingStore
 from lychee_rtc.server import auth, http, recordings
 from lychee_rtc.server.auth import Policy
 from lychee_rtc.server.logs import install_http_log_filter
+from lychee_rtc.server.session_body import session_options
 from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
 from lychee_rtc.server.openai.session_config import RealtimeProfile
@@ -69,13 +69,6 @@ async def page_headers(request: web.Request, handler: http.Handler) -> web.Strea
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _session_options(raw: dict[str, Any] | None) -> tuple[SessionOptions, bool]:
-    if not raw:
-        return SessionOptions(), False
-    options = SessionOptions(**{k: raw[k] for k in ("voice", "temperature", "seed", "instructions") if k in raw})
-    return options, bool(raw.get("metrics", False))
-
-
 def _ice_links(settings: Settings) -> list[str]:
     links = []
     for server in settings.rtc.ice_servers:
@@ -116,17 +109,10 @@ async def offer(request: web.Request) -> web.Response:
     if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
         return http.unauthorized("missing or wrong bearer token")
     raw_session = body.get("session")
-    if raw_session is not None:
-        errors = list(validator("session_config").iter_errors(raw_session))
-        if errors:
-            where = "/".join(str(p) for p in errors[0].path)
-            return http.error_response(400, "invalid_session",
-                                       f"session{'/' + where if where else ''}: {errors[0].message}")
-    options, metrics = _session_options(raw_session)
-    voices = request.app[ENGINE_KEY].capabilities.voices
-    if options.voice is not None and options.voice not in voices:
-        choice = f"one of {list(voices)}" if voices else "not selectable with this engine"
-        return http.error_response(400, "invalid_session", f"session/voice: {options.voice!r} is {choice}")
+    try:
+        options, metrics = session_options(raw_session, request.app[ENGINE_KEY].capabilities.voices)
+    except http.BodyError as exc:
+        return exc.response()
     record = bool((raw_session or {}).get("recording", False))
     if record and not request.app[SETTINGS_KEY].recording.client_control:
         return http.error_response(400, "recording_not_allowed",
@@ -326,8 +312,16 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_patch("/whip/{resource_id}", whip_patch)
     app.router.add_delete("/whip/{resource_id}", whip_delete)
     realtime.install(app, settings, registry, rtc, profile)
+    sip_calls = None
+    if settings.gateway.janus.enabled:
+        from lychee_rtc.gateway.janus_sip import JanusSipGateway
+        from lychee_rtc.server.sip_calls import add_routes as add_sip_call_routes
+
+        gateway = app[GATEWAY_KEY] = JanusSipGateway(settings.gateway.janus, registry, rtc)
+        app[realtime.REALTIME_KEY].gateway = gateway
+        sip_calls = add_sip_call_routes(app, settings, registry, gateway, with_events=not settings.telephony.enabled)
     if settings.telephony.enabled:
-        add_telephony_routes(app, settings, registry)
+        add_telephony_routes(app, settings, registry, sip_calls.events if sip_calls is not None else None)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if settings.metrics.enabled:
@@ -336,11 +330,6 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_get("/latency", latency_page)
     if settings.web_root.is_dir():
         app.router.add_static("/static/", settings.web_root, show_index=False)
-
-    if settings.gateway.janus.enabled:
-        from lychee_rtc.gateway.janus_sip import JanusSipGateway
-
-        app[GATEWAY_KEY] = JanusSipGateway(settings.gateway.janus, registry, rtc)
 
     async def on_startup(app: web.Application) -> None:
         await app[ENGINE_KEY].start()

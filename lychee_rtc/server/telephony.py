@@ -24,6 +24,7 @@ from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.server import auth, http
 from lychee_rtc.server.auth import Policy
+from lychee_rtc.server.http import Handler
 from lychee_rtc.server.event_socket import EventSocket
 from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
@@ -59,9 +60,10 @@ def _request_urls(request: web.Request, settings: Settings) -> list[str]:
 
 
 class TelephonyEndpoint:
-    def __init__(self, settings: Settings, registry: CallRegistry) -> None:
+    def __init__(self, settings: Settings, registry: CallRegistry, others: Handler | None = None) -> None:
         self.settings = settings
         self.registry = registry
+        self.others = others  # the event streams of calls that are not carriers' (the SIP gateway's)
         self._calls: dict[str, CarrierCall] = {}  # session id -> the phone calls among the registry's
         registry.on_removed.append(lambda call: self._calls.pop(call.session.id, None))
 
@@ -165,6 +167,8 @@ class TelephonyEndpoint:
         key = request.match_info["call"]
         call = next((c for c in self._calls.values() if c.matches(key)), None)
         if call is None:
+            if self.others is not None:
+                return await self.others(request)
             return http.error_response(404, "call_not_found", f"no phone call {key!r}")
         if call.companion is not None:
             return http.error_response(409, "event_stream_taken", "this call already has an event stream attached")
@@ -180,8 +184,9 @@ class TelephonyEndpoint:
         return ws
 
 
-def add_routes(app: web.Application, settings: Settings, registry: CallRegistry) -> None:
-    endpoint = TelephonyEndpoint(settings, registry)
+def add_routes(app: web.Application, settings: Settings, registry: CallRegistry,
+               others: Handler | None = None) -> None:
+    endpoint = TelephonyEndpoint(settings, registry, others)
     app.router.add_get(MEDIA_PATH, endpoint.media)
     app.router.add_get(MEDIA_PATH + "/{provider}", endpoint.media)
     app.router.add_get(EVENTS_PATH, endpoint.events)

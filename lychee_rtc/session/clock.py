@@ -56,6 +56,25 @@ class WindowClock:
         self._slack_windows = max(4, int(round(2.0 / self.window_s)))
         self._min_slack: float | None = None
         self._slack_count = 0
+        self._held_at: float | None = None  # the call is on hold: no windows, no deadlines
+
+    @property
+    def held(self) -> bool:
+        return self._held_at is not None
+
+    def hold(self, now: float) -> None:
+        """Stop the clock (a call on hold): nothing arrives that counts, nothing is due."""
+        if self._held_at is None:
+            self._held_at = now
+
+    def release(self, now: float) -> None:
+        """Start again where the clock stopped: the held time is neither late audio nor underruns."""
+        if self._held_at is None:
+            return
+        if self._t0 is not None:
+            self._t0 += now - self._held_at
+        self._received = self._seq * self.window_samples + self._filled
+        self._held_at = None
 
     @property
     def started(self) -> bool:
@@ -76,13 +95,15 @@ class WindowClock:
         return self._t0 + sample / self.sample_rate
 
     def deadline(self, seq: int | None = None) -> float | None:
-        if self._t0 is None:
+        if self._t0 is None or self._held_at is not None:
             return None
         k = self._seq if seq is None else seq
         return self._t0 + (k + 1) * self.window_s + self.grace_s
 
     def write(self, samples: np.ndarray, now: float) -> list[Window]:
-        """Append uplink samples; returns the windows this completes."""
+        """Append uplink samples; returns the windows this completes (none while held)."""
+        if self._held_at is not None:
+            return []
         self.start(now)
         out = self.poll(now)
         self._now = now
@@ -110,7 +131,7 @@ class WindowClock:
 
     def gap(self, n: int, now: float, fill: np.ndarray | None = None) -> list[Window]:
         """The uplink lost ``n`` samples (RTP timestamps jumped): keep their place, as ``fill`` or silence."""
-        if n <= 0:
+        if n <= 0 or self._held_at is not None:
             return []
         self.start(now)
         out = self.poll(now)
@@ -131,7 +152,7 @@ class WindowClock:
     def poll(self, now: float) -> list[Window]:
         """Close every window whose deadline has passed, filling what is missing with silence."""
         out: list[Window] = []
-        if self._t0 is None:
+        if self._t0 is None or self._held_at is not None:
             return out
         while now >= self.deadline():
             missing = self.window_samples - self._filled

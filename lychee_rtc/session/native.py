@@ -76,6 +76,8 @@ class NativeDialect:
             s.emit("pong", **fields)
         elif ev.type == "session.close":
             s.request_close("client_closed")
+        elif ev.type == "call.transfer":
+            s.request_transfer(p["target_uri"], ev.event_id)
         else:  # the schema and this dispatcher disagree: a server bug, said plainly
             raise ProtocolError("not_implemented", f"event type {ev.type!r} is not handled", ev.event_id,
                                 "server_error")

@@ -96,6 +96,10 @@ class DuplexSession:
         self._tasks: list[asyncio.Task] = []
         self._deferred_listen: tuple[str, dict[str, float] | None] | None = None
         self._message_rate = MessageRate(clock())
+        # Set by a phone-call transport that can hand the caller over (the SIP gateway): called
+        # with the target URI; None for calls that cannot be transferred.
+        self.transfer_handler: Callable[[str], None] | None = None
+        self.on_hold = False  # a phone call put on hold: the engine hears nothing and says nothing
         # The call's recording, when the server records (calls.recording); None: it never can.
         self.recording: RecordingControl | None = None
 
@@ -347,6 +351,32 @@ class DuplexSession:
     def commit_input(self) -> None:
         self.slot.control(Control(ControlKind.COMMIT, self.epoch))
         self.emit("input_audio_buffer.committed", epoch=self.epoch)
+
+    def request_transfer(self, target_uri: str, event_id: str | None = None) -> None:
+        if self.transfer_handler is None:
+            raise ProtocolError("not_a_phone_call", "only a phone call through the SIP gateway can be transferred",
+                                event_id)
+        self.transfer_handler(target_uri)
+
+    def hold(self) -> bool:
+        """Put the call on hold: cut what is being said, stop the uplink clock (no windows, so no
+        underruns and nothing for the engine to answer). False if it already was."""
+        if self.closed or self.on_hold:
+            return False
+        self.on_hold = True
+        self.interrupt("on_hold")
+        self.uplink.hold()
+        self.emit("call.hold", held=True)
+        return True
+
+    def unhold(self) -> bool:
+        if self.closed or not self.on_hold:
+            return False
+        self.on_hold = False
+        self.interrupt("off_hold")  # what played on hold (music) stops here
+        self.uplink.release()
+        self.emit("call.hold", held=False)
+        return True
 
     def request_close(self, reason: str) -> None:
         if self._close_task is None:  # one teardown, however many times the client asks

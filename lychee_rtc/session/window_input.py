@@ -38,6 +38,14 @@ class WindowInput:
         """A new transport feeds the uplink from now on: re-anchor the clock at its first audio."""
         self._resync = True
 
+    def hold(self) -> None:
+        """The call is on hold: what arrives is dropped and no window falls due."""
+        self.clock.hold(self._now())
+
+    def release(self) -> None:
+        self.clock.release(self._now())
+        self._wake.set()
+
     def poll(self, now: float | None = None) -> None:
         """Complete the windows whose deadline has passed."""
         self._hand_on(self.clock.poll(self._now() if now is None else now))

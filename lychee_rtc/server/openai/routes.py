@@ -3,7 +3,10 @@
 * ``POST /v1/realtime/calls``: an offer as raw SDP or multipart (``sdp`` + ``session``); 201 with the
   answer SDP and ``Location: /v1/realtime/calls/{call_id}``. Authorised by the server key or an
   ephemeral ``ek_`` key, whose session configuration the call starts from.
-* ``POST /v1/realtime/calls/{call_id}/hangup``: end the call (server key).
+* ``POST /v1/realtime/calls/{call_id}/hangup``: end the call (server key); a SIP call still ringing
+  for a decision is declined.
+* ``POST /v1/realtime/calls/{call_id}/accept`` / ``reject`` / ``refer``: OpenAI's SIP call control
+  for calls the SIP gateway announced by its ``realtime.call.incoming`` webhook (server key).
 * ``POST /v1/realtime/client_secrets``: mint an ``ek_`` key (server key only); keys are signed
   tokens, so any process with the same server key verifies them (see ``client_secrets``).
 * ``GET /v1/realtime?call_id=…``: the sideband WebSocket, a server-side controller of a call
@@ -23,6 +26,9 @@ from aiohttp import web
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
+from lychee_rtc.gateway.call_control import DEFAULT_REJECT, DecisionRefused
+from lychee_rtc.gateway.dial_out import valid_target
+from lychee_rtc.gateway.errors import CallActionRefused
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
@@ -63,6 +69,7 @@ class RealtimeSurface:
     profile: RealtimeProfile
     secrets: ClientSecrets
     sidebands: dict[str, int] = field(default_factory=dict)  # call id -> open sideband sockets
+    gateway: Any = None  # the SIP gateway (JanusSipGateway), when one is configured: SIP call control
 
 
 REALTIME_KEY = web.AppKey("realtime", RealtimeSurface)
@@ -177,8 +184,98 @@ async def create_call(request: web.Request) -> web.Response:
 async def hangup(request: web.Request) -> web.Response:
     surface = request.app[REALTIME_KEY]
     call_id = request.match_info["call_id"]
+    control = surface.gateway.control if surface.gateway is not None else None
+    if control is not None and call_id in control.pending:  # still ringing: decline it
+        try:
+            await control.reject(call_id, DEFAULT_REJECT)
+        except DecisionRefused as exc:
+            return error(exc.status, exc.code, exc.message, param="call_id")
+        return web.Response(status=200)
     if not await surface.registry.close(call_id, "hangup"):
         return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
+    return web.Response(status=200)
+
+
+# --- SIP call control (calls announced by the realtime.call.incoming webhook) -------------------------
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    text = await http.read_text(request, MAX_SESSION_PART_BYTES, "the request body")
+    try:
+        body = strict_json_loads(text) if text.strip() else {}
+    except JsonError as exc:
+        raise http.BodyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise http.BodyError(400, "invalid_request", "request body must be a JSON object")
+    return body
+
+
+def _call_control(surface: RealtimeSurface, call_id: str) -> Any:
+    control = surface.gateway.control if surface.gateway is not None else None
+    if control is None:
+        raise DecisionRefused(404, "call_not_found", f"no incoming SIP call {call_id!r}: this server announces "
+                              "none (gateway.janus.webhook_url is not set)")
+    return control
+
+
+async def accept(request: web.Request) -> web.Response:
+    """Answer a ringing SIP call with a session configuration (the body: ``type: "realtime"``, ...)."""
+    surface = request.app[REALTIME_KEY]
+    call_id = request.match_info["call_id"]
+    try:
+        config = await _json_body(request)
+        options = session_options(read_session_config(config, surface.profile))
+        await _call_control(surface, call_id).accept(call_id, options)
+    except http.BodyError as exc:
+        return exc.response(param=None)
+    except ProtocolError as exc:
+        return error(400, exc.code, exc.message, param="session")
+    except DecisionRefused as exc:
+        return error(exc.status, exc.code, exc.message, param="call_id")
+    return web.Response(status=200)
+
+
+async def reject(request: web.Request) -> web.Response:
+    """Decline a ringing SIP call with ``status_code`` (default 603)."""
+    surface = request.app[REALTIME_KEY]
+    call_id = request.match_info["call_id"]
+    try:
+        body = await _json_body(request)
+        code = body.get("status_code", DEFAULT_REJECT)
+        if isinstance(code, bool) or not isinstance(code, int) or not 400 <= code <= 699:
+            raise http.BodyError(400, "invalid_value", "status_code must be a SIP final status from 400 to 699")
+        await _call_control(surface, call_id).reject(call_id, code)
+    except http.BodyError as exc:
+        return exc.response(param="status_code" if exc.code == "invalid_value" else None)
+    except DecisionRefused as exc:
+        return error(exc.status, exc.code, exc.message, param="call_id")
+    return web.Response(status=200)
+
+
+async def refer(request: web.Request) -> web.Response:
+    """Blind-transfer an answered SIP call to ``target_uri`` (a SIP REFER to the caller)."""
+    surface = request.app[REALTIME_KEY]
+    call_id = request.match_info["call_id"]
+    try:
+        body = await _json_body(request)
+    except http.BodyError as exc:
+        return exc.response(param=None)
+    target = body.get("target_uri")
+    if not valid_target(target):
+        return error(400, "invalid_value", "target_uri must be a sip: URI with a user part or a tel: number",
+                     param="target_uri")
+    if surface.gateway is not None and surface.gateway.control is not None and call_id in surface.gateway.control.pending:
+        return error(409, "call_not_answered", f"call {call_id!r} is ringing: accept it before referring it",
+                     param="call_id")
+    if call_id not in surface.registry.calls:
+        return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
+    if surface.gateway is None:
+        return error(409, "not_a_sip_call", f"call {call_id!r} is not a SIP call", param="call_id")
+    try:
+        await surface.gateway.transfers.start(call_id, target)
+    except CallActionRefused as exc:
+        return error(exc.status, "not_a_sip_call" if exc.code == "not_a_phone_call" else exc.code, exc.message,
+                     param="call_id")
     return web.Response(status=200)
 
 
@@ -268,5 +365,8 @@ def install(app: web.Application, settings: Settings, registry: CallRegistry, rt
     app[REALTIME_KEY] = RealtimeSurface(settings, registry, rtc, profile, ClientSecrets(settings.server.auth_token))
     app.router.add_post(CALLS_PATH, create_call)
     app.router.add_post(CALLS_PATH + "/{call_id}/hangup", hangup)
+    app.router.add_post(CALLS_PATH + "/{call_id}/accept", accept)
+    app.router.add_post(CALLS_PATH + "/{call_id}/reject", reject)
+    app.router.add_post(CALLS_PATH + "/{call_id}/refer", refer)
     app.router.add_post("/v1/realtime/client_secrets", create_client_secret)
     app.router.add_get("/v1/realtime", sideband)

@@ -1,0 +1,241 @@
+"""Phone calls through the SIP gateway, driven over HTTP: placing calls, their resource and event stream.
+
+``POST /v1/telephony/calls`` places a call (``to``: a ``sip:``/``tel:`` URI; ``from``: the caller id
+a trunk should show; ``session``: what an offer takes; ``ring_timeout_s``). Capacity is taken
+before dialling: a full server answers 503 and nothing is dialled. ``GET`` shows the attempt's
+progress, ``DELETE`` cancels it while it rings or hangs up the answered call. Its event stream
+(``GET .../events``) carries ``call.status`` progress and then, answered, the session's events.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from lychee_rtc.calls.call import ServerFull
+from lychee_rtc.calls.registry import CallRegistry
+from lychee_rtc.config import Settings
+from lychee_rtc.gateway.dial_out import valid_target
+from lychee_rtc.gateway.dialer import GatewayUnavailable
+from lychee_rtc.gateway.hold import set_hold
+from lychee_rtc.gateway.janus_sip import JanusSipGateway
+from lychee_rtc.gateway.errors import CallActionRefused
+from lychee_rtc.jsonio import JsonError, strict_json_loads
+from lychee_rtc.rtc.sdp import SdpError
+from lychee_rtc.server import http
+from lychee_rtc.server.event_socket import EventSocket
+from lychee_rtc.server.session_body import session_options
+from lychee_rtc.session.native import NativeDialect
+from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+CALLS_PATH = "/v1/telephony/calls"
+MAX_BODY_BYTES = 64 * 1024
+MAX_RING_TIMEOUT_S = 300.0
+
+
+async def read_object(request: web.Request) -> dict[str, Any]:
+    text = await http.read_text(request, MAX_BODY_BYTES)
+    try:
+        body = strict_json_loads(text) if text.strip() else {}
+    except JsonError as exc:
+        raise http.BodyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise http.BodyError(400, "invalid_request", "request body must be a JSON object")
+    return body
+
+
+class SipCalls:
+    def __init__(self, settings: Settings, registry: CallRegistry, gateway: JanusSipGateway) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.gateway = gateway
+        self._streams: set[str] = set()  # sessions with an event stream attached
+
+    # --- placing calls ---------------------------------------------------------------------------------
+
+    async def create(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_object(request)
+            unknown = set(body) - {"to", "from", "session", "ring_timeout_s"}
+            if unknown:
+                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            to, caller = body.get("to"), body.get("from")
+            if not valid_target(to):
+                raise http.BodyError(400, "invalid_target",
+                                     "field 'to' must be a sip: URI with a user part or a tel: number")
+            if caller is not None and not valid_target(caller):
+                raise http.BodyError(400, "invalid_caller_id", "field 'from' must be a sip: or tel: URI")
+            timeout = body.get("ring_timeout_s", self.gateway.settings.ring_timeout_s)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                    or not 1 <= timeout <= MAX_RING_TIMEOUT_S:
+                raise http.BodyError(400, "invalid_request", f"ring_timeout_s must be 1 to {MAX_RING_TIMEOUT_S:.0f}")
+            options, _ = session_options(body.get("session"), self.registry.engine.capabilities.voices)
+        except http.BodyError as exc:
+            return exc.response()
+        try:
+            attempt = await self.gateway.dialer.dial(to, caller, options, float(timeout))
+        except ServerFull as exc:
+            return http.server_full(exc)
+        except GatewayUnavailable as exc:
+            return http.error_response(503, "gateway_unavailable", str(exc),
+                                       headers={"Retry-After": str(self.settings.session.retry_after_s)})
+        except SdpError as exc:
+            return http.error_response(500, "offer_failed", str(exc), error_type="server_error")
+        return http.json_response(attempt.resource(), status=201,
+                                  headers={"Location": f"{CALLS_PATH}/{attempt.id}"})
+
+    async def get(self, request: web.Request) -> web.Response:
+        attempt = self.gateway.dialer.find(request.match_info["call"])
+        if attempt is None:
+            return http.error_response(404, "call_not_found", f"no placed call {request.match_info['call']!r}")
+        return http.json_response(attempt.resource())
+
+    async def delete(self, request: web.Request) -> web.Response:
+        attempt = self.gateway.dialer.find(request.match_info["call"])
+        if attempt is None:
+            return http.error_response(404, "call_not_found", f"no placed call {request.match_info['call']!r}")
+        if not await self.gateway.dialer.give_up(attempt, "cancelled"):
+            if attempt.session is not None and attempt.answered_at is not None:
+                await self.registry.close(attempt.session.id, "deleted")  # hangs the call up
+        return http.json_response(attempt.resource())
+
+    # --- transfer ------------------------------------------------------------------------------------
+
+    def _session_of(self, key: str) -> str | None:
+        """The session id of a placed call's id, or ``key`` itself when it is a live session's id."""
+        attempt = self.gateway.dialer.find(key)
+        if attempt is not None and attempt.session is not None:
+            return attempt.session.id
+        return key if key in self.registry.calls else None
+
+    async def transfer(self, request: web.Request) -> web.Response:
+        """Transfer (REFER) a SIP call: blind to ``target_uri``, or attended to the target of its
+        ``consult`` call (REFER with Replaces). ``{call}``: a placed call's id or a SIP call's session id."""
+        key = request.match_info["call"]
+        try:
+            body = await read_object(request)
+            unknown = set(body) - {"target_uri", "consult"}
+            if unknown:
+                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            if "consult" not in body and not valid_target(body.get("target_uri")):
+                raise http.BodyError(400, "invalid_target",
+                                     "field 'target_uri' must be a sip: URI with a user part or a tel: number")
+            if "consult" in body and not isinstance(body["consult"], str):
+                raise http.BodyError(400, "invalid_request", "field 'consult' must be the id of the call to the target")
+        except http.BodyError as exc:
+            return exc.response()
+        session_id = self._session_of(key)
+        if session_id is None:
+            return http.error_response(404, "call_not_found", f"no call {key!r}")
+        try:
+            if "consult" in body:
+                consult = self.gateway.consults.consult_of(session_id, body["consult"])
+                transfer = await self.gateway.transfers.start(
+                    session_id, body.get("target_uri") or consult.to, replaces=consult.sip_call_id,
+                    consult_session=consult.session.id)
+            else:
+                transfer = await self.gateway.transfers.start(session_id, body["target_uri"])
+        except CallActionRefused as exc:
+            return http.error_response(exc.status, exc.code, exc.message)
+        return http.json_response(transfer.state(), status=202)
+
+    async def consult(self, request: web.Request) -> web.Response:
+        """Attended transfer, first step: hold the caller and call the target (a placed call, 201)."""
+        key = request.match_info["call"]
+        try:
+            body = await read_object(request)
+            unknown = set(body) - {"target_uri", "session", "ring_timeout_s"}
+            if unknown:
+                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            if not valid_target(body.get("target_uri")):
+                raise http.BodyError(400, "invalid_target",
+                                     "field 'target_uri' must be a sip: URI with a user part or a tel: number")
+            timeout = body.get("ring_timeout_s", self.gateway.settings.ring_timeout_s)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                    or not 1 <= timeout <= MAX_RING_TIMEOUT_S:
+                raise http.BodyError(400, "invalid_request", f"ring_timeout_s must be 1 to {MAX_RING_TIMEOUT_S:.0f}")
+            options, _ = session_options(body.get("session"), self.registry.engine.capabilities.voices)
+        except http.BodyError as exc:
+            return exc.response()
+        session_id = self._session_of(key)
+        if session_id is None:
+            return http.error_response(404, "call_not_found", f"no call {key!r}")
+        try:
+            attempt = await self.gateway.consults.start(session_id, body["target_uri"], options, float(timeout))
+        except CallActionRefused as exc:
+            return http.error_response(exc.status, exc.code, exc.message)
+        except ServerFull as exc:
+            return http.server_full(exc)
+        except GatewayUnavailable as exc:
+            return http.error_response(503, "gateway_unavailable", str(exc))
+        return http.json_response(attempt.resource(), status=201, headers={"Location": f"{CALLS_PATH}/{attempt.id}"})
+
+    # --- hold ----------------------------------------------------------------------------------------
+
+    async def hold(self, request: web.Request) -> web.Response:
+        """Hold (``.../hold``, body ``{"direction": "inactive" | "sendonly"}``) or resume (``.../unhold``)."""
+        held = request.path.endswith("/hold")
+        try:
+            body = await read_object(request)
+            allowed = {"direction"} if held else set()
+            unknown = set(body) - allowed
+            if unknown:
+                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+        except http.BodyError as exc:
+            return exc.response()
+        key = request.match_info["call"]
+        session_id = self._session_of(key)
+        if session_id is None:
+            return http.error_response(404, "call_not_found", f"no call {key!r}")
+        try:
+            changed = await set_hold(self.gateway, session_id, held, body.get("direction"))
+        except CallActionRefused as exc:
+            return http.error_response(exc.status, exc.code, exc.message)
+        return http.json_response({"session_id": session_id, "held": held, "changed": changed})
+
+    # --- the event stream ------------------------------------------------------------------------------
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """A SIP call's events: a placed call's (from dialling on) or an answered inbound call's."""
+        key = request.match_info["call"]
+        attempt = self.gateway.dialer.find(key)
+        session, watchers = None, None
+        if attempt is not None and attempt.session is not None and not attempt.final:
+            session, watchers = attempt.session, attempt.on_end
+        elif key in self.registry.calls and self.gateway.carries(key):
+            call = self.registry.calls[key]
+            session, watchers = call.session, call.on_closed
+        if session is None or session.closed or watchers is None:
+            return http.error_response(404, "call_not_found", f"no phone call {key!r}")
+        if session.id in self._streams:
+            return http.error_response(409, "event_stream_taken", "this call already has an event stream attached")
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
+        await ws.prepare(request)
+        socket = EventSocket(ws, f"events-writer-{session.id}")
+        self._streams.add(session.id)
+        watchers.append(lambda *_: socket.close("call ended"))
+        try:
+            await socket.serve(NativeDialect(session, socket.channel))
+        finally:
+            self._streams.discard(session.id)
+        return ws
+
+
+def add_routes(app: web.Application, settings: Settings, registry: CallRegistry, gateway: JanusSipGateway,
+               with_events: bool) -> SipCalls:
+    """``with_events``: add the event-stream route here (else the carriers' route falls back to ours)."""
+    calls = SipCalls(settings, registry, gateway)
+    app.router.add_post(CALLS_PATH, calls.create)
+    app.router.add_get(CALLS_PATH + "/{call}", calls.get)
+    app.router.add_delete(CALLS_PATH + "/{call}", calls.delete)
+    app.router.add_post(CALLS_PATH + "/{call}/transfer", calls.transfer)
+    app.router.add_post(CALLS_PATH + "/{call}/consult", calls.consult)
+    app.router.add_post(CALLS_PATH + "/{call}/hold", calls.hold)
+    app.router.add_post(CALLS_PATH + "/{call}/unhold", calls.hold)
+    if with_events:
+        app.router.add_get(CALLS_PATH + "/{call}/events", calls.events)
+    return calls

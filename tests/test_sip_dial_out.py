@@ -1,0 +1,204 @@
+"""Calls the server places: POST /v1/telephony/calls through Janus's SIP plugin and Kamailio to SIPp callees.
+
+The callee is a SIPp UAS registered at the local Kamailio as ``sip:alice@127.0.0.1``; the server
+dials that address-of-record, so the INVITE takes the real path (Janus, then the registrar's
+location lookup, then the phone). Each outcome a phone can give is exercised: answered (and the
+audio checked both ways by correlation), busy (486), declined (603) and never answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from conftest import free_port, running_server, wait_until
+from contract import check_response
+from sip_tools import RATE, LoopbackCapture, Uas, sip_register, sipp_uas_scenario, speech_pcap
+from test_rtc_echo import best_match
+from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
+
+from lychee_rtc.gateway.dial_out import sip_target, status_for_sip_code, valid_target
+from lychee_rtc.gateway.transfer import sipfrag_status
+from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
+from lychee_rtc.session.event_stream import EventChannel
+from lychee_rtc.session.native import NativeDialect
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_targets_and_outcomes():
+    assert valid_target("sip:alice@example.com") and valid_target("sips:a@b;transport=tls")
+    assert valid_target("tel:+14155550123")
+    for bad in ("alice", "sip:example.com", "tel:abc", "http://x", "sip:a@b c", 7, None, "sip:" + "a" * 300 + "@b"):
+        assert not valid_target(bad), bad
+    assert sip_target("tel:+14155550123;phone-context=x", "sip:pbx.example.com:5060") == \
+        "sip:+14155550123@pbx.example.com:5060;user=phone"
+    assert sip_target("sip:a@b", "sip:r") == "sip:a@b"
+    assert [status_for_sip_code(c, None) for c in (486, 600, 603, 480, 408, 404, 500)] == \
+        ["busy", "busy", "declined", "no_answer", "no_answer", "failed", "failed"]
+    assert status_for_sip_code(487, "cancelled") == "cancelled" and status_for_sip_code(486, "cancelled") == "busy"
+    assert sipfrag_status("SIP/2.0 180 Ringing\r\n") == (180, "Ringing")
+    assert sipfrag_status("SIP/2.0 200 OK") == (200, "OK") and sipfrag_status("garbage") is None
+
+
+async def callee(stack, user: str = "alice") -> Uas:
+    uas = Uas(sip_port=free_port(), media_port=free_port())
+    # Only this callee: bindings left by earlier tests would fork the INVITE to phones long gone.
+    assert await asyncio.to_thread(sip_register, stack.ports.sip, user, None) == 200
+    status = await asyncio.to_thread(sip_register, stack.ports.sip, user, uas.sip_port)
+    assert status == 200, f"REGISTER of {user} answered {status}"
+    return uas
+
+
+async def place(url: str, to: str, **fields) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/telephony/calls", json={"to": to, **fields}) as resp:
+            raw = await resp.read()
+            check_response("/v1/telephony/calls", "POST", resp.status, resp.headers, raw)
+            return resp.status, json.loads(raw)
+
+
+async def resource(url: str, call_id: str, method: str = "GET") -> dict:
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, f"{url}/v1/telephony/calls/{call_id}") as resp:
+            raw = await resp.read()
+            check_response("/v1/telephony/calls/{call}", method, resp.status, resp.headers, raw)
+            assert resp.status == 200
+            return json.loads(raw)
+
+
+def tap_attempt(app, call_id: str) -> EventTap:
+    attempt = app[GATEWAY_KEY].dialer.find(call_id)
+    tap = EventTap()
+    NativeDialect(attempt.session, EventChannel(tap)).attach()
+    return tap
+
+
+async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_path, speech_8k):
+    pcap = tmp_path / "speech.pcap"
+    speech_pcap(pcap, [np.zeros(RATE, np.float32), speech_8k, np.zeros(4 * RATE, np.float32)])
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
+                              session={"window_grace_ms": 400}) as (url, app):
+        await registered(app)
+        uas = await callee(stack)
+        async with LoopbackCapture(tmp_path / "rx.pcap", uas.media_port) as capture:
+            far_end = asyncio.create_task(uas.run(sipp_uas_scenario("answer", pcap), tmp_path))
+            await wait_until(uas.ready, 30, "SIPp to listen")
+            dialled_at = time.time()
+            status, body = await place(url, f"sip:alice@127.0.0.1:{stack.ports.sip}", **{"from": "sip:+15550100@example.com"},
+                                       session={"instructions": "Remind them of the appointment."})
+            assert status == 201, body
+            assert body["status"] in ("dialing", "ringing") and body["direction"] == "outbound" and body["session_id"] is None
+            tap = tap_attempt(app, body["id"])
+            await wait_until(lambda: tap.of("session.created"), 60, "the call to be answered")
+            answered = await resource(url, body["id"])
+            assert answered["status"] == "answered" and answered["sip_status"] == 200
+            session_id = answered["session_id"]
+            call = app[REGISTRY_KEY].calls[session_id]
+            assert call.session.origin["direction"] == "outbound"
+            assert call.session.origin["callee"] == f"sip:alice@127.0.0.1:{stack.ports.sip}"
+            # The callee's speech comes back (echo engine): the media path works both ways.
+            await wait_until(lambda: tap.of("output_audio_buffer.stopped"), 90, "the echo to be played")
+            await resource(url, body["id"], "DELETE")
+            result = await far_end  # ends only once SIPp got our BYE and answered it
+            assert result.returncode == 0, result.explain()
+            rtp = await capture.stop()
+        statuses = [(e["status"], e.get("sip_status")) for e in tap.of("call.status")]
+        assert statuses[0] == ("dialing", None) and ("ringing", 180) in statuses and statuses[-1] == ("answered", 200)
+        ended = await resource(url, body["id"])
+        assert ended["status"] == "completed" and ended["reason"] == "deleted"
+        assert app[GATEWAY_KEY].counters.dial_answered == 1 and app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
+        ringing = answered["ringing_at"] - dialled_at
+        audio = [p.arrival for p in rtp if p.payload_type == 0]
+        first_audio = min(audio) - answered["answered_at"] if audio else float("nan")
+        leg_up = call.connected_at - call.negotiated_at
+        print(f"dial to ringing {ringing * 1000:.0f} ms; answer to the WebRTC leg up {leg_up * 1000:.0f} ms; "
+              f"answer to the first audio packet at the callee {first_audio * 1000:.0f} ms")
+    score = best_match(received_audio(rtp), speech_8k)
+    assert score > 0.7, f"echo correlation {score:.2f}"
+
+
+@pytest.mark.parametrize("user, answer, status, sip_status", [("bob", "486 Busy Here", "busy", 486),
+                                                              ("+15550199", "603 Decline", "declined", 603)])
+async def test_placed_call_refused(stack, tmp_path, user, answer, status, sip_status):
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack)) as (url, app):
+        await registered(app)
+        uas = await callee(stack, user)
+        far_end = asyncio.create_task(uas.run(sipp_uas_scenario(answer), tmp_path))
+        await wait_until(uas.ready, 30, "SIPp to listen")
+        # A tel: number is dialled as sip:<number>@<registrar>;user=phone (Janus takes SIP URIs only).
+        target = f"tel:{user}" if user.startswith("+") else f"sip:{user}@127.0.0.1:{stack.ports.sip}"
+        code, body = await place(url, target)
+        assert code == 201, body
+        tap = tap_attempt(app, body["id"])
+        await wait_until(lambda: tap.of("session.closed"), 60, f"the {sip_status}")
+        result = await far_end
+        assert result.returncode == 0, result.explain()
+        final = await resource(url, body["id"])
+        assert (final["status"], final["sip_status"]) == (status, sip_status)
+        assert final["session_id"] is None and final["ended_at"] is not None
+        assert [e["status"] for e in tap.of("call.status")][-1] == status
+        assert tap.of("session.closed")[0]["reason"] == status and not tap.of("session.created")
+        # Nothing is held: every session is free, and the line takes the next call.
+        assert app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity and not app[REGISTRY_KEY].calls
+        assert app[GATEWAY_KEY].status()["busy_lines"] == 0
+
+
+async def test_unanswered_call_times_out_and_frees_everything(stack, tmp_path):
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack)) as (url, app):
+        await registered(app)
+        uas = await callee(stack, "carol")
+        far_end = asyncio.create_task(uas.run(sipp_uas_scenario("never"), tmp_path))
+        await wait_until(uas.ready, 30, "SIPp to listen")
+        code, body = await place(url, f"sip:carol@127.0.0.1:{stack.ports.sip}", ring_timeout_s=3)
+        assert code == 201, body
+        tap = tap_attempt(app, body["id"])
+        await wait_until(lambda: tap.of("session.closed"), 60, "the attempt to give up")
+        result = await far_end  # SIPp saw our CANCEL, answered it and ended its INVITE with 487
+        assert result.returncode == 0, result.explain()
+        final = await resource(url, body["id"])
+        assert final["status"] == "no_answer" and final["ringing_at"] is not None
+        assert final["ended_at"] - final["created_at"] >= 3
+        assert app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
+        assert app[GATEWAY_KEY].status()["busy_lines"] == 0
+
+
+async def test_bad_requests_and_a_full_server_dial_nothing(stack, tmp_path):
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
+                              session={"max_sessions": 1}) as (url, app):
+        await registered(app)
+        for bad in ({"to": "alice"}, {"to": "sip:127.0.0.1"}, {"to": "sip:a@b", "extra": 1},
+                    {"to": "sip:a@b", "ring_timeout_s": 0}, {"to": "sip:a@b", "session": {"voice": 3}},
+                    {"to": "sip:a@b", "from": "not a uri"}):
+            code, body = await place(url, **bad)
+            assert code == 400, (bad, body)
+            assert body["error"]["code"] in ("invalid_target", "invalid_request", "invalid_session", "invalid_caller_id")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/v1/telephony/calls/call_nope") as resp:
+                assert resp.status == 404
+        # Nobody of that name: the registrar's 404 is the outcome, and the slot comes back.
+        code, unknown = await place(url, f"sip:nobody@127.0.0.1:{stack.ports.sip}")
+        assert code == 201
+        await wait_until(lambda: app[GATEWAY_KEY].dialer.find(unknown["id"]).final, 60, "the registrar's answer")
+        final = await resource(url, unknown["id"])
+        assert (final["status"], final["sip_status"]) == ("failed", 404)
+        await wait_until(lambda: app[REGISTRY_KEY].free == 1, 30, "the slot to come back")
+        # Capacity is taken before dialling: with the one session in use, nothing is dialled.
+        uas = await callee(stack, "dave")
+        far_end = asyncio.create_task(uas.run(sipp_uas_scenario("never"), tmp_path))
+        await wait_until(uas.ready, 30, "SIPp to listen")
+        code, first = await place(url, f"sip:dave@127.0.0.1:{stack.ports.sip}", ring_timeout_s=60)
+        assert code == 201
+        code, second = await place(url, f"sip:dave@127.0.0.1:{stack.ports.sip}")
+        assert code == 503 and second["error"]["code"] == "server_full"
+        assert app[GATEWAY_KEY].counters.dialled == 2
+        # Cancelling while it rings frees everything.
+        await resource(url, first["id"], "DELETE")
+        await wait_until(lambda: app[REGISTRY_KEY].free == 1, 30, "the slot to come back")
+        result = await far_end
+        assert result.returncode == 0, result.explain()
+        assert (await resource(url, first["id"]))["status"] == "cancelled"
