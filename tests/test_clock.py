@@ -104,3 +104,16 @@ def test_anchor_follows_an_uplink_that_falls_behind_and_catches_up():
     assert clock.counters.anchor_shift_s < 0.15
     assert clock.counters.underruns == 1
     assert clock.poll(61 * 0.4 + 0.3) != []  # a stall: the open window closes within about the grace
+
+
+async def test_the_media_timeout_runs_from_the_end_of_a_hold():
+    from lychee_rtc.session.window_input import WindowInput
+
+    now = [100.0]
+    uplink = WindowInput(WindowClock(6400, 16000, grace_s=0.1), forward=lambda w: None, now=lambda: now[0])
+    uplink.audio(np.zeros(320, np.float32))
+    assert uplink.last_audio_at == 100.0
+    uplink.hold()
+    now[0] = 160.0  # a minute on hold with nothing sent (a=inactive)
+    uplink.release()
+    assert uplink.last_audio_at == 160.0

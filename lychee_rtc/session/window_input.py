@@ -43,7 +43,11 @@ class WindowInput:
         self.clock.hold(self._now())
 
     def release(self) -> None:
-        self.clock.release(self._now())
+        now = self._now()
+        self.clock.release(now)
+        # A held phone may have sent nothing: the media timeout runs from the end of the hold, or
+        # the watchdog would take the silence on hold for a dead path before the audio resumes.
+        self.last_audio_at = now
         self._wake.set()
 
     def poll(self, now: float | None = None) -> None:
