@@ -17,7 +17,6 @@ from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
-from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.call import RtcCall
 from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
@@ -90,13 +89,7 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 
 @auth.policy(Policy.SESSION)  # a new session needs the server key, a resume the session's token
 async def offer(request: web.Request) -> web.Response:
-    text = await http.read_text(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
-    try:
-        body = strict_json_loads(text)
-    except JsonError as exc:
-        return http.error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        return http.error_response(400, "invalid_request", "request body must be a JSON object")
+    body = await http.read_json_object(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
     if not isinstance(body.get("sdp"), str):
         return http.error_response(400, "invalid_request", "field 'sdp' (string) is required")
     if body.get("type") != "offer":

@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 from aiohttp import web
 
 from lychee_rtc.calls.call import ServerFull
-from lychee_rtc.jsonio import strict_json_dumps
+from lychee_rtc.jsonio import JsonError, strict_json_dumps, strict_json_loads
 from lychee_rtc.rtc.sdp import SdpError
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,21 @@ async def read_text(request: web.Request, limit: int, what: str = "request body"
 
 
 # --- middleware ------------------------------------------------------------------------------------
+
+
+async def read_json_object(request: web.Request, limit: int, what: str = "request body",
+                           empty: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The body as a JSON object; ``empty``, if given, stands for a body with no text at all."""
+    text = await read_text(request, limit, what)
+    if empty is not None and not text.strip():
+        return dict(empty)
+    try:
+        body = strict_json_loads(text)
+    except JsonError as exc:
+        raise BodyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BodyError(400, "invalid_request", "request body must be a JSON object")
+    return body
 
 
 def allowed_origin(origins: Iterable[str], origin: str | None) -> str | None:

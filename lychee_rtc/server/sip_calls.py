@@ -22,7 +22,6 @@ from lychee_rtc.gateway.dialer import GatewayUnavailable
 from lychee_rtc.gateway.hold import set_hold
 from lychee_rtc.gateway.janus_sip import JanusSipGateway
 from lychee_rtc.gateway.errors import CallActionRefused
-from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.server import http
 from lychee_rtc.server.event_socket import EventSocket
@@ -38,14 +37,14 @@ MAX_RING_TIMEOUT_S = 300.0
 
 
 async def read_object(request: web.Request) -> dict[str, Any]:
-    text = await http.read_text(request, MAX_BODY_BYTES)
-    try:
-        body = strict_json_loads(text) if text.strip() else {}
-    except JsonError as exc:
-        raise http.BodyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise http.BodyError(400, "invalid_request", "request body must be a JSON object")
-    return body
+    return await http.read_json_object(request, MAX_BODY_BYTES, empty={})
+
+
+def ring_timeout(body: dict[str, Any], default: float) -> float:
+    timeout = body.get("ring_timeout_s", default)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= MAX_RING_TIMEOUT_S:
+        raise http.BodyError(400, "invalid_request", f"ring_timeout_s must be 1 to {MAX_RING_TIMEOUT_S:.0f}")
+    return float(timeout)
 
 
 class SipCalls:
@@ -69,10 +68,7 @@ class SipCalls:
                                      "field 'to' must be a sip: URI with a user part or a tel: number")
             if caller is not None and not valid_target(caller):
                 raise http.BodyError(400, "invalid_caller_id", "field 'from' must be a sip: or tel: URI")
-            timeout = body.get("ring_timeout_s", self.gateway.settings.ring_timeout_s)
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                    or not 1 <= timeout <= MAX_RING_TIMEOUT_S:
-                raise http.BodyError(400, "invalid_request", f"ring_timeout_s must be 1 to {MAX_RING_TIMEOUT_S:.0f}")
+            timeout = ring_timeout(body, self.gateway.settings.ring_timeout_s)
             options, _ = session_options(body.get("session"), self.registry.engine.capabilities.voices)
         except http.BodyError as exc:
             return exc.response()
@@ -154,10 +150,7 @@ class SipCalls:
             if not valid_target(body.get("target_uri")):
                 raise http.BodyError(400, "invalid_target",
                                      "field 'target_uri' must be a sip: URI with a user part or a tel: number")
-            timeout = body.get("ring_timeout_s", self.gateway.settings.ring_timeout_s)
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                    or not 1 <= timeout <= MAX_RING_TIMEOUT_S:
-                raise http.BodyError(400, "invalid_request", f"ring_timeout_s must be 1 to {MAX_RING_TIMEOUT_S:.0f}")
+            timeout = ring_timeout(body, self.gateway.settings.ring_timeout_s)
             options, _ = session_options(body.get("session"), self.registry.engine.capabilities.voices)
         except http.BodyError as exc:
             return exc.response()

@@ -200,14 +200,7 @@ async def hangup(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    text = await http.read_text(request, MAX_SESSION_PART_BYTES, "the request body")
-    try:
-        body = strict_json_loads(text) if text.strip() else {}
-    except JsonError as exc:
-        raise http.BodyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise http.BodyError(400, "invalid_request", "request body must be a JSON object")
-    return body
+    return await http.read_json_object(request, MAX_SESSION_PART_BYTES, "the request body", empty={})
 
 
 def _call_control(surface: RealtimeSurface, call_id: str) -> Any:
@@ -287,13 +280,9 @@ async def create_client_secret(request: web.Request) -> web.Response:
     if (refused := needs_server_key(surface.settings)) is not None:
         return refused
     try:
-        body = strict_json_loads(await http.read_text(request, MAX_SESSION_PART_BYTES, "the request body") or "{}")
+        body = await _json_body(request)
     except http.BodyError as exc:
         return exc.response(param=None)
-    except JsonError as exc:
-        return error(400, "invalid_json", f"request body is not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        return error(400, "invalid_request", "request body must be a JSON object")
     unknown = set(body) - {"session", "expires_after"}
     if unknown:
         return error(400, "unknown_parameter", f"unknown parameter(s): {', '.join(sorted(unknown))}",
