@@ -56,3 +56,23 @@ async def test_g711_rate():
     frame = await track.recv()
     assert frame.sample_rate == 8000 and frame.samples == 160
     track.stop()
+
+
+def test_a_passthrough_chunk_longer_than_a_frame_is_not_standing_delay():
+    """A loopback engine hands 20 ms chunks to a track sending 10 ms frames: the second half of a
+    chunk is current audio, not a backlog; only what queued beyond the last chunk is."""
+    from lychee_rtc.rtc.outbound import PacedAudioTrack
+
+    track = PacedAudioTrack(in_rate=16000, live=True, frame_ms=10)
+    chunk = np.full(320, 0.1, np.float32)  # 20 ms at 16 kHz
+    track.write(track.epoch, "r", chunk)
+    queued = track.playout.depth_samples  # 20 ms at 48 kHz, less the resampler's filter delay
+    assert queued > 2 * track.frame_samples - 100
+    track.trim_standing_delay(track.frame_samples)
+    assert track.counters.trimmed_samples == 0 and track.playout.depth_samples == queued
+    for _ in range(3):  # a burst after a stall: 60 ms more queued
+        track.write(track.epoch, "r", chunk)
+    track.trim_standing_delay(track.frame_samples)
+    assert track.counters.trimmed_samples > 0
+    assert track.playout.depth_samples == 960 + int(0.003 * 48000)  # the last chunk and the margin
+    track.stop()

@@ -50,6 +50,7 @@ class EpochSink:
         self.counters = counters
         self.sent_tap: SentAudioTap | None = None
         self._audio_arrived = asyncio.Event()  # set on every accepted write: the sender may go on
+        self._chunk_samples = 0  # the last accepted write, at the output rate
         # The session's uplink processing: told what left for the caller, as it leaves (its echo reference).
         self.reference: AudioProcessingStage | None = None
 
@@ -90,6 +91,7 @@ class EpochSink:
         if not self.playout.write(epoch, response_id, pcm):
             self.counters.stale_chunks += 1
             return False
+        self._chunk_samples = len(pcm) * self.playout.out_rate // self.playout.in_rate
         self._audio_arrived.set()
         return True
 
@@ -108,7 +110,10 @@ class EpochSink:
         return self.playout.playout_counters()
 
     def trim_standing_delay(self, frame_samples: int) -> None:
-        """A passthrough engine: drop what queued up beyond the next frame and ``LIVE_MARGIN_S``."""
-        excess = self.playout.depth_samples - frame_samples - int(LIVE_MARGIN_S * self.playout.out_rate)
+        """A passthrough engine: drop what queued up beyond ``LIVE_MARGIN_S`` past the next frame or
+        the chunk that came last, whichever is longer (a 20 ms chunk sent as two 10 ms frames is
+        current audio, not a backlog)."""
+        keep = max(frame_samples, self._chunk_samples) + int(LIVE_MARGIN_S * self.playout.out_rate)
+        excess = self.playout.depth_samples - keep
         if excess > 0:
             self.counters.trimmed_samples += self.playout.discard(excess)
