@@ -17,7 +17,7 @@ from lychee_rtc.cluster.fleet import Fleet, NoPlacement
 from lychee_rtc.cluster.ids import is_worker_id, session_prefix, worker_of
 from lychee_rtc.cluster.metrics import EntryMetrics
 from lychee_rtc.cluster.placement import actor_options, no_room_reason, waiting_reason, worker_count, worker_settings
-from lychee_rtc.cluster.registry import DEAD_AFTER_ERRORS, NOT_PLACED, Registry, WorkerView
+from lychee_rtc.cluster.registry import DEAD_AFTER_ERRORS, DOWN_AFTER_SLOW_CHECKS, NOT_PLACED, HttpFailure, Registry, WorkerView
 from lychee_rtc.config import ConfigError, ClusterSettings, load_settings
 
 
@@ -169,9 +169,9 @@ async def test_a_worker_whose_http_port_fails_stays_down_while_ray_still_answers
     handle = _Handle()
     view = registry.add("w0", handle)
     # Asked from the second poll on: the first one learns the worker's URL.
-    failures: list[str | None] = ["connection refused", "connection refused", None]
+    failures: list[HttpFailure | None] = [HttpFailure("connection refused"), HttpFailure("connection refused"), None]
 
-    async def http_alive(url: str) -> str | None:
+    async def http_alive(url: str) -> HttpFailure | None:
         return failures.pop(0)
     registry.http_alive = http_alive
     handle.answers = [_status("w0", 4)] * 4
@@ -183,6 +183,27 @@ async def test_a_worker_whose_http_port_fails_stays_down_while_ray_still_answers
     assert view.state == "down"  # the same process answers Ray, but cannot take calls
     await registry._poll(view)
     assert view.state == "ready"
+
+
+async def test_a_slow_health_check_on_a_busy_host_is_not_a_dead_worker():
+    registry = _registry()
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    slow = HttpFailure("/healthz: no answer in time", timed_out=True)
+    failures: list[HttpFailure | None] = [slow, None] + [slow] * DOWN_AFTER_SLOW_CHECKS
+
+    async def http_alive(url: str) -> HttpFailure | None:
+        return failures.pop(0)
+    registry.http_alive = http_alive
+    handle.answers = [_status("w0", 4)] * (3 + DOWN_AFTER_SLOW_CHECKS)
+    await registry._poll(view)  # learns the URL
+    await registry._poll(view)  # one late answer
+    assert view.state == "ready" and registry.free == 4
+    await registry._poll(view)  # on time again: the count starts over
+    for k in range(DOWN_AFTER_SLOW_CHECKS):
+        await registry._poll(view)
+        assert view.state == ("down" if k == DOWN_AFTER_SLOW_CHECKS - 1 else "ready")
+    assert "no answer in time" in view.reason
 
 
 async def test_a_worker_still_loading_its_engine_is_starting_not_down():

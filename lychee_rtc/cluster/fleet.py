@@ -20,7 +20,7 @@ from lychee_rtc.cluster.accounting import Placement
 from lychee_rtc.cluster.ids import worker_id
 from lychee_rtc.cluster.metrics import EntryMetrics
 from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable
-from lychee_rtc.cluster.registry import Registry, WorkerView
+from lychee_rtc.cluster.registry import DOWN_AFTER_SLOW_CHECKS, HttpFailure, Registry, WorkerView
 from lychee_rtc.config import Settings
 
 log = logging.getLogger(__name__)
@@ -125,13 +125,16 @@ class Fleet:
 
     # --- what the registry asks ---------------------------------------------------------------------
 
-    async def _http_alive(self, url: str) -> str | None:
+    async def _http_alive(self, url: str) -> HttpFailure | None:
         try:
             async with self.http.get(url + "/healthz", timeout=self.timeout(self.settings.cluster.status_timeout_s)) as r:
                 await r.read()
-                return None if r.status == 200 else f"/healthz answered {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return f"/healthz: {type(exc).__name__}: {exc}"
+                return None if r.status == 200 else HttpFailure(f"/healthz answered {r.status}")
+        except asyncio.TimeoutError as exc:
+            return HttpFailure(f"/healthz: no answer within {self.settings.cluster.status_timeout_s:g} s "
+                               f"{DOWN_AFTER_SLOW_CHECKS} times in a row ({type(exc).__name__})", timed_out=True)
+        except aiohttp.ClientError as exc:
+            return HttpFailure(f"/healthz: {type(exc).__name__}: {exc}")
 
     async def _unplaced(self, view: WorkerView) -> str | None:
         return await asyncio.get_running_loop().run_in_executor(

@@ -26,6 +26,15 @@ log = logging.getLogger(__name__)
 # down: no answer (restarting or lost); dead: Ray gave up on it; stopped: drained and not restarted.
 STATES = ("starting", "ready", "draining", "down", "dead", "stopped")
 DEAD_AFTER_ERRORS = 3
+# /healthz answers this late this many times in a row before a worker counts as down: on a busy
+# host one slow answer is not a dead port (a refused connection is conclusive at once).
+DOWN_AFTER_SLOW_CHECKS = 3
+
+
+@dataclass(frozen=True)
+class HttpFailure:
+    reason: str
+    timed_out: bool = False  # no answer in time, as opposed to refused or a wrong status
 NOT_PLACED = "not placed: "  # the reason of a starting worker that Ray has found no node for
 
 
@@ -44,6 +53,7 @@ class WorkerView:
     probe: Any = None  # the status request in flight (one at a time, never piled up)
     probe_requested_at: int = 0  # when it was requested (accounting.now)
     errors: int = 0  # status requests in a row that failed at once
+    slow_checks: int = 0  # /healthz checks in a row that timed out
     retired_boot: str | None = None  # the process a drain ended (its late answers are ignored)
 
     @property
@@ -85,7 +95,7 @@ class Registry:
         # Called with a worker whose drain finished: the entry kills (and maybe restarts) its actor.
         self.on_drained: Callable[[WorkerView], Awaitable[None]] | None = None
         # Given a worker's URL, None when its HTTP port answers, else why not.
-        self.http_alive: Callable[[str], Awaitable[str | None]] | None = None
+        self.http_alive: Callable[[str], Awaitable[HttpFailure | None]] | None = None
         # Whether a failed status request says the actor is being restarted (Ray fails calls to a
         # restarting actor at once); such a worker is down, however long the restart takes.
         self.restarting: Callable[[BaseException], bool] = lambda exc: False
@@ -158,8 +168,10 @@ class Registry:
         if self.http_alive is not None and view.url is not None and view.state != "starting":
             # The data path, checked apart from Ray: a killed process refuses the connection at once,
             # while Ray only queues the status request until the process it restarts answers it.
-            http_failure = await self.http_alive(view.url)
-            if http_failure is not None:
+            failure = await self.http_alive(view.url)
+            view.slow_checks = view.slow_checks + 1 if failure is not None and failure.timed_out else 0
+            if failure is not None and (not failure.timed_out or view.slow_checks >= DOWN_AFTER_SLOW_CHECKS):
+                http_failure = failure.reason
                 self.mark_down(view, http_failure)
         if view.probe is None:
             # Noted before the request leaves: every call answered until now is in its report.
