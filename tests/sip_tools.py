@@ -390,16 +390,24 @@ class SippResult:
 async def run_sipp(scenario: str, workdir: Path, sip_port: int, media_port: int, calls: int = 1,
                    service: str = "lychee", timeout_s: float = 120.0, tag: str = "uac") -> SippResult:
     """Run SIPp as a caller through the registrar at 127.0.0.1:``sip_port``; ``calls`` at once."""
+    return await _sipp(scenario, workdir, tag, timeout_s, [
+        f"127.0.0.1:{sip_port}", "-s", service, "-i", "127.0.0.1", "-p", str(_free_udp_port()),
+        "-mi", "127.0.0.1", "-mp", str(media_port), "-m", str(calls), "-l", str(calls), "-r", str(calls),
+        "-rp", "1000", "-max_invite_retrans", "3", "-trace_stat", "-stf", str(workdir / f"{tag}_stats.csv")])
+
+
+async def _sipp(scenario: str, workdir: Path, tag: str, timeout_s: float, args: list[str],
+                message_tail: bool = False) -> SippResult:
+    """One SIPp run of ``scenario`` with ``args``; its errors (and with ``message_tail`` the end of its
+    message trace) in the result's ``stats``."""
     xml = workdir / f"{tag}.xml"
     for stale in workdir.glob(f"{tag}_*"):
         stale.unlink()
     xml.write_text(scenario)
     errors = workdir / f"{tag}_errors.log"
-    argv = ["sipp", f"127.0.0.1:{sip_port}", "-sf", str(xml), "-s", service, "-i", "127.0.0.1", "-p", str(_free_udp_port()),
-            "-mi", "127.0.0.1", "-mp", str(media_port), "-m", str(calls), "-l", str(calls), "-r", str(calls),
-            "-rp", "1000", "-nostdin", "-timeout", f"{int(timeout_s)}s",
-            "-timeout_error", "-max_invite_retrans", "3", "-trace_err", "-error_file", str(errors), "-trace_msg", "-message_file", str(workdir / f"{tag}_messages.log"),
-            "-trace_stat", "-stf", str(workdir / f"{tag}_stats.csv")]
+    messages = workdir / f"{tag}_messages.log"
+    argv = ["sipp", "-sf", str(xml), *args, "-nostdin", "-timeout", f"{int(timeout_s)}s", "-timeout_error",
+            "-trace_err", "-error_file", str(errors), "-trace_msg", "-message_file", str(messages)]
     proc = await asyncio.create_subprocess_exec(*argv, cwd=workdir, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
     try:
@@ -408,6 +416,8 @@ async def run_sipp(scenario: str, workdir: Path, sip_port: int, media_port: int,
         proc.kill()
         out, err = await proc.communicate()
     stats = errors.read_text(errors="replace") if errors.exists() else ""
+    if message_tail:
+        stats += "\n" + (messages.read_text(errors="replace")[-4000:] if messages.exists() else "")
     return SippResult(proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace"),
                       err.decode(errors="replace"), stats)
 
@@ -549,24 +559,6 @@ class Uas:
 
     async def run(self, scenario: str, workdir: Path, tag: str = "uas", timeout_s: float = 120.0,
                   calls: int = 1) -> SippResult:
-        xml = workdir / f"{tag}.xml"
-        for stale in workdir.glob(f"{tag}_*"):
-            stale.unlink()
-        xml.write_text(scenario)
-        errors = workdir / f"{tag}_errors.log"
-        argv = ["sipp", "-sf", str(xml), "-i", "127.0.0.1", "-p", str(self.sip_port), "-mi", "127.0.0.1",
-                "-mp", str(self.media_port), "-m", str(calls), "-nostdin", "-timeout", f"{int(timeout_s)}s",
-                "-timeout_error", "-trace_err", "-error_file", str(errors), "-trace_msg",
-                "-message_file", str(workdir / f"{tag}_messages.log")]
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=workdir, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 30)
-        except asyncio.TimeoutError:
-            proc.kill()
-            out, err = await proc.communicate()
-        stats = errors.read_text(errors="replace") if errors.exists() else ""
-        messages = workdir / f"{tag}_messages.log"
-        stats += "\n" + (messages.read_text(errors="replace")[-4000:] if messages.exists() else "")
-        return SippResult(proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace"),
-                          err.decode(errors="replace"), stats)
+        return await _sipp(scenario, workdir, tag, timeout_s, [
+            "-i", "127.0.0.1", "-p", str(self.sip_port), "-mi", "127.0.0.1", "-mp", str(self.media_port),
+            "-m", str(calls)], message_tail=True)

@@ -36,8 +36,13 @@ MAX_BODY_BYTES = 64 * 1024
 MAX_RING_TIMEOUT_S = 300.0
 
 
-async def read_object(request: web.Request) -> dict[str, Any]:
-    return await http.read_json_object(request, MAX_BODY_BYTES, empty={})
+async def read_object(request: web.Request, allowed: set[str]) -> dict[str, Any]:
+    """The body as a JSON object with no fields but ``allowed`` (an empty body is ``{}``)."""
+    body = await http.read_json_object(request, MAX_BODY_BYTES, empty={})
+    unknown = set(body) - allowed
+    if unknown:
+        raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+    return body
 
 
 def ring_timeout(body: dict[str, Any], default: float) -> float:
@@ -58,10 +63,7 @@ class SipCalls:
 
     async def create(self, request: web.Request) -> web.Response:
         try:
-            body = await read_object(request)
-            unknown = set(body) - {"to", "from", "session", "ring_timeout_s"}
-            if unknown:
-                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            body = await read_object(request, {"to", "from", "session", "ring_timeout_s"})
             to, caller = body.get("to"), body.get("from")
             if not valid_target(to):
                 raise http.BodyError(400, "invalid_target",
@@ -73,7 +75,7 @@ class SipCalls:
         except http.BodyError as exc:
             return exc.response()
         try:
-            attempt = await self.gateway.dialer.dial(to, caller, options, float(timeout))
+            attempt = await self.gateway.dialer.dial(to, caller, options, timeout)
         except ServerFull as exc:
             return http.server_full(exc)
         except GatewayUnavailable as exc:
@@ -113,10 +115,7 @@ class SipCalls:
         ``consult`` call (REFER with Replaces). ``{call}``: a placed call's id or a SIP call's session id."""
         key = request.match_info["call"]
         try:
-            body = await read_object(request)
-            unknown = set(body) - {"target_uri", "consult"}
-            if unknown:
-                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            body = await read_object(request, {"target_uri", "consult"})
             if "consult" not in body and not valid_target(body.get("target_uri")):
                 raise http.BodyError(400, "invalid_target",
                                      "field 'target_uri' must be a sip: URI with a user part or a tel: number")
@@ -143,10 +142,7 @@ class SipCalls:
         """Attended transfer, first step: hold the caller and call the target (a placed call, 201)."""
         key = request.match_info["call"]
         try:
-            body = await read_object(request)
-            unknown = set(body) - {"target_uri", "session", "ring_timeout_s"}
-            if unknown:
-                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            body = await read_object(request, {"target_uri", "session", "ring_timeout_s"})
             if not valid_target(body.get("target_uri")):
                 raise http.BodyError(400, "invalid_target",
                                      "field 'target_uri' must be a sip: URI with a user part or a tel: number")
@@ -158,7 +154,7 @@ class SipCalls:
         if session_id is None:
             return http.error_response(404, "call_not_found", f"no call {key!r}")
         try:
-            attempt = await self.gateway.consults.start(session_id, body["target_uri"], options, float(timeout))
+            attempt = await self.gateway.consults.start(session_id, body["target_uri"], options, timeout)
         except CallActionRefused as exc:
             return http.error_response(exc.status, exc.code, exc.message)
         except ServerFull as exc:
@@ -173,11 +169,7 @@ class SipCalls:
         """Hold (``.../hold``, body ``{"direction": "inactive" | "sendonly"}``) or resume (``.../unhold``)."""
         held = request.path.endswith("/hold")
         try:
-            body = await read_object(request)
-            allowed = {"direction"} if held else set()
-            unknown = set(body) - allowed
-            if unknown:
-                raise http.BodyError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+            body = await read_object(request, {"direction"} if held else set())
         except http.BodyError as exc:
             return exc.response()
         key = request.match_info["call"]
