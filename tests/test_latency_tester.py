@@ -24,7 +24,7 @@ import pytest
 from conftest import speech_fixture, wait_until
 from strict import unavailable
 
-from lychee_rtc.bench.browser import PageRun, measure, run_page
+from lychee_rtc.bench.browser import CHROMIUM, CHROMIUM_FLAGS, PageRun, measure, run_page
 from lychee_rtc.bench.impairment import (
     ImpairedPath,
     Impairment,
@@ -155,6 +155,50 @@ async def test_the_levers_bench_puts_10_ms_packets_on_the_wire_both_ways():
     for row in rows:
         assert row["calls"] == 1 and row["heard"] >= 2 and row["server_cpu_percent"] > 0, row
     assert both.name in levers_table(rows)
+
+
+async def test_the_matched_filter_finds_each_probe_at_its_frame():
+    """latency-detect.js, as the page loads it, on audio made here: a probe's start to the sample.
+
+    The page finds probes in segments the worklet records; this checks the finder itself with the
+    page's own chirps placed at known frames in noise, two of them in one segment, plus a segment of
+    noise alone and one holding a chirp the page never sends.
+    """
+    from playwright.async_api import async_playwright
+
+    script = """async () => {
+      const { findProbes } = await import("/static/latency-detect.js");
+      const { chirp } = await import("/static/latency.js");
+      const shapes = [[400, 3200], [3200, 400], [900, 2200], [2200, 900]].map(([a, b]) => chirp(a, b));
+      let seed = 7;
+      const noise = (n, level) => Float32Array.from({ length: n }, () => {
+        seed = (seed * 1103515245 + 12345) % 2147483648;
+        return level * (seed / 1073741824 - 1);
+      });
+      const place = (audio, sound, at, gain) => { sound.forEach((x, i) => { audio[at + i] += gain * x; }); };
+      const two = noise(24000, 0.003);
+      place(two, shapes[2], 3001, 0.5);
+      place(two, shapes[0], 17401, 0.8);
+      const other = noise(6000, 0.003);
+      place(other, chirp(5000, 6000), 2000, 0.8);
+      const strip = (found) => found.map(({ signature, frame }) => ({ signature, frame }));
+      return {
+        two: strip(findProbes(two, 1000000, shapes)),
+        noise: strip(findProbes(noise(24000, 0.05), 5000, shapes)),
+        other: strip(findProbes(other, 0, shapes)),
+      };
+    }"""
+    async with spawned_server("loopback") as (url, _pid):
+        async with async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+            try:
+                page = await browser.new_page()
+                await page.goto(f"{url}/latency")
+                found = await page.evaluate(script)
+            finally:
+                await browser.close()
+    assert found["two"] == [{"signature": 2, "frame": 1003001}, {"signature": 0, "frame": 1017401}], found
+    assert found["noise"] == [] and found["other"] == [], found
 
 
 async def test_server_parameter_measures_another_server():

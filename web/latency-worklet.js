@@ -1,32 +1,36 @@
 // The latency tester's audio thread: it writes the probe sounds into the call's outgoing track and
-// listens to the call's incoming audio, both on one clock (the AudioContext's sample frames), so a
+// records the call's incoming audio, both on one clock (the AudioContext's sample frames), so a
 // latency is a difference of two frame numbers: no timers, no main-thread scheduling in it.
 //
-// Messages in:  {type: "templates", templates: Float32Array[]}   what "probe" mode listens for
+// The work per sample here is a few operations: the matched filter that finds the probes in what
+// was recorded runs on the main thread (latency-detect.js), because on this thread it stalled the
+// audio clock that paces the outgoing track.
+//
+// Messages in:  {type: "listen", window, gateRms}                    probe mode: cut segments (below)
 //               {type: "mode", mode: "probe" | "response", threshold}
 //               {type: "play", id, samples: Float32Array, at?}     play from frame `at` (default: next block)
 //               {type: "arm", afterFrame}                          response mode: report the first sound after it
 // Messages out: {type: "sent", id, frame, endFrame}                the sound's first and one-past-last frame
-//               {type: "heard", signature, frame, score}           probe mode: a template starts at `frame`
+//               {type: "segment", frame, samples}                  probe mode: incoming audio around a sound,
+//                                                                  from one window before it to one window after
 //               {type: "answer", frame, rms}                       response mode: first answer audio at `frame`
 //               {type: "level", peak, frame}                       the incoming audio's peak, 4 times a second
 
-const GATE_RMS = 0.003; // below this the input is silence: no correlation is computed
-const SCORE = 0.5; // normalised correlation that counts as the probe (time-stretching lowers it)
 const ANSWER_WINDOW = 240; // 5 ms at 48 kHz: the RMS window that decides "answer audio has started"
+const MAX_SEGMENT_S = 0.5; // a longer sound is cut into segments that overlap by one window
 
 class LatencyProbe extends AudioWorkletProcessor {
   constructor() {
     super();
-    this.templates = []; // {samples, norm}
     this.mode = "probe";
     this.answerRms = 0.01;
     this.queue = []; // sounds to play: {id, samples, at}
-    this.history = null; // the last `length` input samples (ring) for the matched filter
+    this.history = null; // the last `length` input samples (ring): the gate's window
     this.length = 0;
+    this.gate = 0; // the window's energy at the gate's RMS
     this.pos = 0; // frames written into history so far
     this.energy = 0; // sum of squares of the history window
-    this.candidate = null; // probe mode: the best score since the threshold was crossed
+    this.segment = null; // probe mode: {frame, samples, used, quiet} being recorded
     this.armedAfter = null; // response mode: listen from this frame on
     this.answerEnergy = 0;
     this.answerRing = new Float32Array(ANSWER_WINDOW);
@@ -36,16 +40,13 @@ class LatencyProbe extends AudioWorkletProcessor {
   }
 
   #onMessage(msg) {
-    if (msg.type === "templates") {
-      this.templates = msg.templates.map((samples) => {
-        let sum = 0;
-        for (const x of samples) sum += x * x;
-        return { samples, norm: Math.sqrt(sum) };
-      });
-      this.length = Math.max(...this.templates.map((t) => t.samples.length));
+    if (msg.type === "listen") {
+      this.length = msg.window;
+      this.gate = msg.gateRms * msg.gateRms * msg.window;
       this.history = new Float32Array(this.length);
       this.pos = 0;
       this.energy = 0;
+      this.segment = null;
     } else if (msg.type === "mode") {
       this.mode = msg.mode;
       if (msg.threshold) this.answerRms = msg.threshold;
@@ -91,8 +92,9 @@ class LatencyProbe extends AudioWorkletProcessor {
     });
   }
 
-  // Matched filter: after each input sample, the normalised correlation of the newest `length`
-  // samples with each template. Only while something is heard (the gate), so silence costs nothing.
+  // The gate: a segment opens when the newest window's energy reaches it, with that window's
+  // samples (the sound's onset and what came before), and closes one window after the energy has
+  // fallen below it again, so a probe's whole echo and one window of quiet either side are in it.
   #listenForProbes(input, start) {
     const h = this.history;
     const len = this.length;
@@ -102,34 +104,35 @@ class LatencyProbe extends AudioWorkletProcessor {
       h[slot] = input[i];
       this.pos++;
       if (this.energy < 0) this.energy = 0;
-      const frame = start + i; // the frame of the newest sample
-      if (this.energy < GATE_RMS * GATE_RMS * len) {
-        this.#flushCandidate(frame);
+      const loud = this.energy >= this.gate;
+      const seg = this.segment;
+      if (!seg) {
+        if (loud) this.#openSegment(start + i);
         continue;
       }
-      let best = null;
-      for (let t = 0; t < this.templates.length; t++) {
-        const tpl = this.templates[t];
-        const m = tpl.samples.length;
-        // history holds samples pos-len .. pos-1; template sample 0 aligns with pos-m.
-        let dot = 0;
-        let base = (this.pos - m) % len;
-        for (let k = 0; k < m; k++) {
-          dot += tpl.samples[k] * h[(base + k) % len];
-        }
-        const score = dot / (tpl.norm * Math.sqrt(this.energy) + 1e-12);
-        if (score >= SCORE && (!best || score > best.score)) best = { signature: t, score, frame: frame - m + 1 };
+      seg.samples[seg.used++] = input[i];
+      seg.quiet = loud ? 0 : seg.quiet + 1;
+      if (seg.quiet >= len) this.#closeSegment();
+      else if (seg.used === seg.samples.length) {
+        this.#closeSegment();
+        this.#openSegment(start + i); // still loud: carry on, overlapping by one window
       }
-      if (best && (!this.candidate || best.score > this.candidate.score)) this.candidate = best;
-      // The peak is final once a whole template length has passed without a better score.
-      else if (this.candidate && frame - this.candidate.frame > 2 * len) this.#flushCandidate(frame);
     }
   }
 
-  #flushCandidate() {
-    if (!this.candidate) return;
-    this.port.postMessage({ type: "heard", ...this.candidate });
-    this.candidate = null;
+  // The newest window from the history ring, oldest first; its last sample is frame `frame`.
+  #openSegment(frame) {
+    const len = this.length;
+    const samples = new Float32Array(Math.max(Math.round(MAX_SEGMENT_S * sampleRate), 4 * len));
+    for (let k = 0; k < len; k++) samples[k] = this.history[(this.pos + k) % len];
+    this.segment = { frame: frame - len + 1, samples, used: len, quiet: 0 };
+  }
+
+  #closeSegment() {
+    const seg = this.segment;
+    this.segment = null;
+    const samples = seg.samples.slice(0, seg.used);
+    this.port.postMessage({ type: "segment", frame: seg.frame, samples }, [samples.buffer]);
   }
 
   // Response mode: the first 5 ms window after `armedAfter` whose RMS is above the threshold; the

@@ -1,13 +1,15 @@
 // The latency tester page: measures mouth-to-ear (loopback profile) or response latency (any engine)
 // through a real peer connection. Probe sounds are written into the outgoing track by an
-// AudioWorklet and found in the incoming audio by the same worklet, so both ends of a measurement
-// are frame numbers of one AudioContext clock. The run is exported as JSON (what
+// AudioWorklet, which also records the incoming audio around each sound it hears; the probes are
+// found in those recordings here (latency-detect.js), so both ends of a measurement are frame
+// numbers of one AudioContext clock. The run is exported as JSON (what
 // `lychee-rtc bench browser` prints) and CSV.
 
 import { connect } from "./latency-call.js";
 import { readStats } from "./stats.js";
 import { CSV_COLUMNS, inboundCounters, probeContext, selfCheck, summarize, toCsv, transportCounters, transportSummary } from "./latency-report.js";
 import { drawHistogram, drawSeries } from "./latency-charts.js";
+import { GATE_RMS, findProbes } from "./latency-detect.js";
 
 const $ = (id) => document.getElementById(id);
 const RATE = 48000; // WebRTC's Opus rate: no resampling between the graph and the codec
@@ -138,6 +140,10 @@ class Run {
   }
 
   onMessage(msg) {
+    if (msg.type === "segment") {
+      for (const probe of findProbes(msg.samples, msg.frame, this.templates)) this.onMessage({ type: "heard", ...probe });
+      return;
+    }
     if (msg.type === "sent") this.sent.set(msg.id, msg);
     if (msg.type === "level") this.incomingPeak = Math.max(this.incomingPeak, msg.peak);
     for (const w of [...this.waiters]) {
@@ -195,7 +201,8 @@ async function run() {
     });
     node.port.onmessage = (e) => r.onMessage(e.data);
     const templates = SIGNATURES.map(([f0, f1]) => chirp(f0, f1));
-    node.port.postMessage({ type: "templates", templates });
+    r.templates = templates;
+    node.port.postMessage({ type: "listen", window: Math.max(...templates.map((t) => t.length)), gateRms: GATE_RMS });
     node.port.postMessage({ type: "mode", mode: o.mode === "response" ? "response" : "probe", threshold: o.threshold });
     const out = ctx.createMediaStreamDestination();
     out.channelCount = 1;
