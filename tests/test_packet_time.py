@@ -13,7 +13,8 @@ from aiortc.codecs import get_encoder
 
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.rtc.codec_threads import _limit
-from lychee_rtc.rtc.packet_time import TrackFramedEncoder, with_ptime
+from lychee_rtc.rtc.outbound import PacedAudioTrack
+from lychee_rtc.rtc.packet_time import EncoderHints, TrackFramedEncoder, with_ptime
 
 from conftest import PATIENT_WINDOWS, running_server
 
@@ -61,6 +62,42 @@ def test_opus_packets_carry_the_tracks_frame_length(ms):
     decoded = [sum(f.samples for f in decoder.decode(av.Packet(p))) for p in packets]
     assert set(decoded) == {48 * ms}
     assert set(np.diff(timestamps)) == {48 * ms}  # RTP timestamps step by one packet
+
+
+def codec_delay_samples(encoder: TrackFramedEncoder, hints: EncoderHints, ms: int = 10) -> int:
+    """Where a chirp comes out of the encoder and a decoder, against where it went in (48 kHz);
+    ``hints`` ride on the first frame, as the track sends them."""
+    n, at = 48 * ms, 9600
+    t = np.arange(960) / 48000
+    chirp = np.hanning(960) * np.sin(2 * np.pi * (400 * t + 70000 * t * t))
+    signal = np.zeros(48000)
+    signal[at:at + 960] = 0.5 * chirp
+    decoder = av.CodecContext.create("libopus", "r")
+    decoder.sample_rate, decoder.layout, decoder.format = 48000, "mono", "flt"
+    out = []
+    for i in range(0, len(signal), n):
+        frame = av.AudioFrame.from_ndarray((signal[None, i:i + n] * 32767).astype(np.int16), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = 48000, i, fractions.Fraction(1, 48000)
+        if i == 0:
+            frame.opaque = hints
+        for payload in encoder.encode(frame)[0]:
+            out += [f.to_ndarray().reshape(-1) for f in decoder.decode(av.Packet(payload))]
+    decoded = np.concatenate(out)
+    return int(np.argmax(np.correlate(decoded, chirp, "valid"))) - at
+
+
+@pytest.mark.parametrize(("application", "delay_ms"), [(None, 6.5), ("voip", 6.5), ("lowdelay", 2.5)])
+def test_the_tracks_opus_application_sets_the_codec_delay(application, delay_ms):
+    encoder = TrackFramedEncoder(_limit(get_encoder(OPUS)))
+    assert codec_delay_samples(encoder, EncoderHints(opus_application=application)) == 48 * delay_ms
+
+
+async def test_the_track_hands_its_encoder_hints_on_the_first_frame_only():
+    hints = EncoderHints(opus_application="lowdelay")
+    track = PacedAudioTrack(in_rate=16000, encoder_hints=hints)
+    first, second = await track.recv(), await track.recv()
+    assert first.opaque is hints and second.opaque is None
+    track.stop()
 
 
 @pytest.mark.parametrize("ms", [10, 20])

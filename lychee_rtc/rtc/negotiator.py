@@ -28,7 +28,7 @@ from lychee_rtc.rtc.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_e
 from lychee_rtc.rtc.inbound import consume_audio, drain
 from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
-from lychee_rtc.rtc.packet_time import with_ptime
+from lychee_rtc.rtc.packet_time import EncoderHints, with_ptime
 from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers
 from lychee_rtc.rtc.sctp_guard import SctpGuard
 from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
@@ -114,7 +114,8 @@ class RtcNegotiator:
         caps = self.registry.engine.capabilities
         return PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
                                live=caps.live_passthrough, frame_ms=self.settings.rtc.send_frame_ms,
-                               live_lead_s=self.settings.rtc.passthrough_lead_ms / 1000)
+                               live_lead_s=self.settings.rtc.passthrough_lead_ms / 1000,
+                               encoder_hints=EncoderHints(opus_application=self.settings.rtc.opus_application))
 
     async def _negotiate(self, call: RtcCall, offer_sdp: str) -> None:
         """Answer ``offer_sdp`` on ``call.pc`` with ``call.track``; on failure the peer is abandoned."""

@@ -22,6 +22,7 @@ from aiortc.mediastreams import MediaStreamError
 from lychee_rtc.aio import wait_event
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout
+from lychee_rtc.rtc.packet_time import EncoderHints
 
 FRAME_MS = 20  # the default; rtc.send_frame_ms picks 10 (each frame is one RTP packet)
 # Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
@@ -56,6 +57,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         live: bool = False,
         frame_ms: int = FRAME_MS,
         live_lead_s: float = LIVE_LEAD_S,
+        encoder_hints: EncoderHints | None = None,
     ) -> None:
         super().__init__()  # MediaStreamTrack's
         EpochSink.__init__(self, EpochPlayout(in_rate, out_rate, max_buffer_s), TrackCounters())
@@ -65,6 +67,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         self.live = live
         self.frame_ms = frame_ms
         self.live_lead_s = live_lead_s
+        self.encoder_hints = encoder_hints
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         self.trim_standing_delay(n)
 
     def _next_frame(self) -> av.AudioFrame:
+        first = self._frame_index == 0
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
         self.played(pcm)  # silence too: the caller's loudspeaker played it (the echo reference)
@@ -146,4 +150,6 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         frame.sample_rate = self.out_rate
         frame.pts = offset
         frame.time_base = fractions.Fraction(1, self.out_rate)
+        if first and self.encoder_hints is not None:
+            frame.opaque = self.encoder_hints  # the encoder sets itself up from the first frame
         return frame

@@ -9,11 +9,15 @@ and the receiver's jitter buffer works in 10 ms steps.
 Receiving: ``a=ptime`` in the answer (``with_ptime``, RFC 4566 section 6) asks the peer to send
 packets of that length; libwebrtc sizes its Opus frames from it, other senders may ignore it, and
 the inbound path takes any packet length either way.
+
+The track also picks libopus's application (``rtc.opus_application``): it puts an ``EncoderHints``
+on its first frame (``frame.opaque``), which the wrapped encoder reads when it sizes itself.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from lychee_rtc.pcm import FrameResampler
@@ -22,8 +26,15 @@ from lychee_rtc.pcm import FrameResampler
 PACKET_MS = (10, 20)
 
 
+@dataclass(frozen=True)
+class EncoderHints:
+    """What a track asks of the encoder that packetizes it, riding on its first frame."""
+
+    opus_application: str | None = None  # libopus: "voip", "audio" or "lowdelay"
+
+
 class TrackFramedEncoder:
-    """Wraps one of aiortc's audio encoders; sized from the first frame, then passes through."""
+    """Wraps one of aiortc's audio encoders; set up from the first frame, then passes through."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -32,7 +43,7 @@ class TrackFramedEncoder:
     def encode(self, frame: Any, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:
         if not self._sized:
             self._sized = True
-            self._size_for(frame)
+            self._set_up_for(frame)
         return self._inner.encode(frame, force_keyframe)
 
     def pack(self, packet: Any) -> tuple[list[bytes], int]:
@@ -41,18 +52,22 @@ class TrackFramedEncoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def _size_for(self, frame: Any) -> None:
+    def _set_up_for(self, frame: Any) -> None:
+        context = getattr(self._inner, "codec", None)
+        options: dict[str, str] = {}
+        hints = getattr(frame, "opaque", None)
+        if isinstance(hints, EncoderHints) and hints.opus_application:
+            options["application"] = hints.opus_application
         ms = frame.samples * 1000 / frame.sample_rate
         resampler = getattr(self._inner, "resampler", None)
-        if ms not in PACKET_MS or not isinstance(resampler, FrameResampler):
-            return  # an encoder we do not know how to re-frame keeps its own packet time
-        samples = resampler.rate * int(ms) // 1000
-        if resampler.frame_size == samples:
-            return
-        self._inner.resampler = FrameResampler(resampler.format, resampler.layout, resampler.rate, samples)
-        context = self._inner.codec
-        if context.name == "libopus":  # read when the context opens, at its first frame
-            context.options = {**dict(context.options), "frame_duration": str(int(ms))}
+        # An encoder we do not know how to re-frame keeps its own packet time.
+        if ms in PACKET_MS and isinstance(resampler, FrameResampler):
+            samples = resampler.rate * int(ms) // 1000
+            if resampler.frame_size != samples:
+                self._inner.resampler = FrameResampler(resampler.format, resampler.layout, resampler.rate, samples)
+                options["frame_duration"] = str(int(ms))
+        if options and context is not None and context.name == "libopus":  # read when it opens, at its first frame
+            context.options = {**dict(context.options), **options}
 
 
 def frame_by_track(encoder: Any) -> TrackFramedEncoder:
