@@ -18,9 +18,12 @@ from lychee_rtc.media.audio_processing import AudioProcessingStage
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
 from lychee_rtc.session.sink import CutReport
 
-# A passthrough engine (loopback) keeps at most this much queued beyond the frame being sent; more
-# is standing delay (a burst after a loss or a stall, a start-up backlog) and is dropped at once.
+# A passthrough engine (loopback) keeps at most this much queued beyond the frame being sent (or the
+# last chunk, if longer). More is standing delay (what queued behind a stall, a start-up backlog)
+# when it stays for a whole window: then the least depth seen in the window is dropped. A queue that
+# is deep for a frame or two (two packets arriving together after one was late) is left alone.
 LIVE_MARGIN_S = 0.003
+STANDING_WINDOW_S = 0.2
 
 
 @dataclass
@@ -51,6 +54,7 @@ class EpochSink:
         self.sent_tap: SentAudioTap | None = None
         self._audio_arrived = asyncio.Event()  # set on every accepted write: the sender may go on
         self._chunk_samples = 0  # the last accepted write, at the output rate
+        self._standing: tuple[int, int] | None = None  # (samples sent, least excess) in this window
         # The session's uplink processing: told what left for the caller, as it leaves (its echo reference).
         self.reference: AudioProcessingStage | None = None
 
@@ -110,10 +114,18 @@ class EpochSink:
         return self.playout.playout_counters()
 
     def trim_standing_delay(self, frame_samples: int) -> None:
-        """A passthrough engine: drop what queued up beyond ``LIVE_MARGIN_S`` past the next frame or
-        the chunk that came last, whichever is longer (a 20 ms chunk sent as two 10 ms frames is
-        current audio, not a backlog)."""
+        """A passthrough engine, once per frame sent: drop standing delay (``STANDING_WINDOW_S``).
+
+        The excess is what is queued beyond ``LIVE_MARGIN_S`` past the next frame or the chunk that
+        came last, whichever is longer (a 20 ms chunk sent as two 10 ms frames is current audio).
+        """
         keep = max(frame_samples, self._chunk_samples) + int(LIVE_MARGIN_S * self.playout.out_rate)
         excess = self.playout.depth_samples - keep
-        if excess > 0:
-            self.counters.trimmed_samples += self.playout.discard(excess)
+        sent, least = self._standing or (0, excess)
+        sent, least = sent + frame_samples, min(least, excess)
+        if sent < STANDING_WINDOW_S * self.playout.out_rate:
+            self._standing = (sent, least)
+            return
+        self._standing = None
+        if least > 0:
+            self.counters.trimmed_samples += self.playout.discard(least)
