@@ -82,6 +82,10 @@ class RtcSettings(_Section):
     # A passthrough engine (loopback): how early a frame whose audio is there may leave before its
     # slot of the send clock. 0 sends on the clock exactly (regular packets, up to a frame held).
     passthrough_lead_ms: float = Field(15.0, ge=0, le=20)
+    # A passthrough engine: "arrival" sends a frame as soon as its audio is there (within the lead),
+    # "steady" at one point of its slot just after recent arrivals (rtc/send_phase.py), which keeps
+    # the uplink's arrival jitter off the downlink.
+    passthrough_pacing: Literal["arrival", "steady"] = "arrival"
     # libopus's application for what this server sends: "lowdelay" (CELT only) has 2.5 ms of
     # algorithmic delay against 6.5 ms for "voip" and "audio", and needs the bit rate aiortc sends
     # (96 kbit/s) to sound as good; it gives up SILK's speech coding at low bit rates.

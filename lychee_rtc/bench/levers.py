@@ -29,6 +29,9 @@ from lychee_rtc.bench.server_process import spawned_server
 
 PTIME_10 = {"LYCHEE_RTC_RTC__RECEIVE_PTIME_MS": "10"}
 SEND_10 = {"LYCHEE_RTC_RTC__SEND_FRAME_MS": "10"}
+WINDOW_10 = {"LYCHEE_RTC_ENGINE__ECHO__LOOPBACK_WINDOW_MS": "10"}
+LOWDELAY = {"LYCHEE_RTC_RTC__OPUS_APPLICATION": "lowdelay"}
+STEADY = {"LYCHEE_RTC_RTC__PASSTHROUGH_PACING": "steady"}
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,12 @@ LEVERS = [
     Lever("server sends 10 ms packets", SEND_10),
     Lever("browser sends 10 ms packets (a=ptime:10)", PTIME_10),
     Lever("10 ms packets both ways", {**SEND_10, **PTIME_10}),
-    Lever("10 ms both ways, 10 ms loopback window", {**SEND_10, **PTIME_10,
-                                                      "LYCHEE_RTC_ENGINE__ECHO__LOOPBACK_WINDOW_MS": "10"}),
+    Lever("10 ms both ways, 10 ms loopback window", {**SEND_10, **PTIME_10, **WINDOW_10}),
+    Lever("Opus lowdelay (CELT only) on what the server sends", LOWDELAY),
+    Lever("10 ms both ways, 10 ms loopback window, Opus lowdelay", {**SEND_10, **PTIME_10, **WINDOW_10, **LOWDELAY}),
+    Lever("steady send point (20 ms packets)", STEADY),
+    Lever("10 ms both ways, 10 ms loopback window, Opus lowdelay, steady send point",
+          {**SEND_10, **PTIME_10, **WINDOW_10, **LOWDELAY, **STEADY}),
     Lever("10 ms both ways, sent on the server's clock (no lead)", {**SEND_10, **PTIME_10,
                                                                    "LYCHEE_RTC_RTC__PASSTHROUGH_LEAD_MS": "0"}),
     Lever("20 ms, sent on the server's clock (no lead)", {"LYCHEE_RTC_RTC__PASSTHROUGH_LEAD_MS": "0"}),
@@ -134,7 +141,12 @@ def levers_table(rows: list[dict[str, Any]]) -> str:
 
 async def _main(args: argparse.Namespace) -> int:
     run = PageRun(probes=args.probes, interval_ms=args.interval_ms)
-    rows = await measure_levers(run, args.rounds, chromium=args.chromium)
+    levers = [lever for lever in LEVERS if not args.only or any(o.lower() in lever.name.lower() for o in args.only)]
+    if not levers:
+        print(f"no lever matches {args.only}; the levers are: " + "; ".join(lever.name for lever in LEVERS),
+              file=sys.stderr)
+        return 2
+    rows = await measure_levers(run, args.rounds, chromium=args.chromium, levers=levers)
     table = levers_table(rows)
     text = json.dumps({"levers": rows, "rounds": args.rounds, "probes_per_call": run.probes,
                        "interval_ms": run.interval_ms, "table": table}, indent=2)
@@ -153,5 +165,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probes", type=int, default=12, help="probes per call (default 12)")
     p.add_argument("--interval-ms", type=float, default=300.0, help="between probes (default 300)")
     p.add_argument("--chromium", default=CHROMIUM, help=f"the Chromium executable (default {CHROMIUM})")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="measure only the levers whose name contains TEXT (repeatable; case-insensitive)")
     p.add_argument("--json", help="also write the result here")
     p.set_defaults(func=_main)

@@ -115,7 +115,8 @@ class RtcNegotiator:
         return PacedAudioTrack(in_rate=caps.output_rate, max_buffer_s=self.settings.session.playout_max_s,
                                live=caps.live_passthrough, frame_ms=self.settings.rtc.send_frame_ms,
                                live_lead_s=self.settings.rtc.passthrough_lead_ms / 1000,
-                               encoder_hints=EncoderHints(opus_application=self.settings.rtc.opus_application))
+                               encoder_hints=EncoderHints(opus_application=self.settings.rtc.opus_application),
+                               steady=self.settings.rtc.passthrough_pacing == "steady")
 
     async def _negotiate(self, call: RtcCall, offer_sdp: str) -> None:
         """Answer ``offer_sdp`` on ``call.pc`` with ``call.track``; on failure the peer is abandoned."""

@@ -23,6 +23,7 @@ from lychee_rtc.aio import wait_event
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout
 from lychee_rtc.rtc.packet_time import EncoderHints
+from lychee_rtc.rtc.send_phase import SendPhase
 
 FRAME_MS = 20  # the default; rtc.send_frame_ms picks 10 (each frame is one RTP packet)
 # Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
@@ -58,6 +59,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         frame_ms: int = FRAME_MS,
         live_lead_s: float = LIVE_LEAD_S,
         encoder_hints: EncoderHints | None = None,
+        steady: bool = False,
     ) -> None:
         super().__init__()  # MediaStreamTrack's
         EpochSink.__init__(self, EpochPlayout(in_rate, out_rate, max_buffer_s), TrackCounters())
@@ -68,6 +70,9 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         self.frame_ms = frame_ms
         self.live_lead_s = live_lead_s
         self.encoder_hints = encoder_hints
+        # Live mode: a steady send point after the arrivals (send_phase.py), or as soon as the
+        # audio is there within the lead.
+        self.send_phase = SendPhase(live_lead_s, frame_ms / 1000) if live and steady else None
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -115,19 +120,28 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         return self._next_frame()
 
     async def _wait_live(self, due: float) -> None:
-        """Send as soon as a frame of audio is there (bounded lead), or silence shortly after the slot."""
+        """Send when the frame's audio is there and its send point (``_send_offset``) has come, or
+        silence shortly after the slot when the audio is late."""
         n = self.frame_samples
+        send_at = due + self._send_offset()
+        give_up = max(due, send_at) + LIVE_GRACE_S
+        ready_at: float | None = None
         while True:
             now = self._clock()
-            ready = self.playout.depth_samples >= n
-            if (ready and now >= due - self.live_lead_s) or now >= due + LIVE_GRACE_S:
+            if ready_at is None and self.playout.depth_samples >= n:
+                ready_at = now
+            if (ready_at is not None and now >= send_at) or now >= give_up:
                 break
             self._audio_arrived.clear()
-            wake = (due - self.live_lead_s) if ready else (due + LIVE_GRACE_S)
-            await wait_event(self._audio_arrived, wake - now)
+            await wait_event(self._audio_arrived, (send_at if ready_at is not None else give_up) - now)
+        if ready_at is not None and self.send_phase is not None:
+            self.send_phase.observe(ready_at, ready_at - due)
         if self._clock() < due:
             self.counters.early_frames += 1
         self.trim_standing_delay(n)
+
+    def _send_offset(self) -> float:
+        return self.send_phase.offset() if self.send_phase is not None else -self.live_lead_s
 
     def _next_frame(self) -> av.AudioFrame:
         first = self._frame_index == 0

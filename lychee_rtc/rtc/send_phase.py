@@ -1,0 +1,48 @@
+"""Where in its slot a passthrough frame leaves: a steady point just after its audio usually arrives.
+
+A passthrough engine (loopback) hands audio over as the caller's packets arrive. Sent the moment
+it is there, a frame carries the uplink's arrival jitter straight on to the downlink, and the
+receiver's jitter buffer (NetEq sizes its target from the worst delays it sees) grows to cover it.
+Sent at a fixed point of a send clock whose phase has nothing to do with the arrivals, a frame
+waits up to a whole frame, and a late arrival misses its slot. ``SendPhase`` puts the send point
+just after the 95th percentile of recent arrival times, relative to the slot: packets leave at
+regular times (one offset for every frame while the arrivals keep their pattern) and hold the
+audio only as long as the arrival spread needs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+QUANTILE = 0.95
+WINDOW_S = 1.0
+MARGIN_S = 0.001  # the loop's own wake-up slack
+
+
+class SendPhase:
+    """``offset()``: seconds from a frame's slot to when it leaves (negative: before the slot)."""
+
+    def __init__(self, max_lead_s: float, max_hold_s: float, window_s: float = WINDOW_S,
+                 quantile: float = QUANTILE, margin_s: float = MARGIN_S) -> None:
+        self.max_lead_s = max_lead_s
+        self.max_hold_s = max_hold_s
+        self.window_s = window_s
+        self.quantile = quantile
+        self.margin_s = margin_s
+        self._seen: deque[tuple[float, float]] = deque()  # (when, ready - due), oldest first
+        self._sorted: list[float] = []  # the same readiness values, sorted
+
+    def observe(self, now: float, ready_minus_due: float) -> None:
+        """A frame's audio was all there ``ready_minus_due`` seconds after its slot."""
+        self._seen.append((now, ready_minus_due))
+        bisect.insort(self._sorted, ready_minus_due)
+        while self._seen and now - self._seen[0][0] > self.window_s:
+            _, old = self._seen.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def offset(self) -> float:
+        if not self._sorted:  # nothing known yet: as early as allowed, like the first frames
+            return -self.max_lead_s
+        late = self._sorted[min(len(self._sorted) - 1, int(self.quantile * len(self._sorted)))]
+        return min(max(late + self.margin_s, -self.max_lead_s), self.max_hold_s)
