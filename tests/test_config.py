@@ -17,6 +17,9 @@ def test_default_profile_is_echo_and_loopback_profile_loads():
     assert settings.rtc.ice_servers == []
     loopback = load_settings(ROOT / "configs" / "loopback.yaml", environ={})
     assert loopback.engine.echo.mode == "loopback"
+    low = load_settings(ROOT / "configs" / "loopback-lowlatency.yaml", environ={})
+    assert (low.rtc.send_frame_ms, low.rtc.receive_ptime_ms, low.engine.echo.loopback_window_ms) == (10, 10, 10)
+    assert (low.rtc.opus_application, low.rtc.passthrough_pacing) == ("lowdelay", "steady")
 
 
 def test_environment_then_overrides_take_precedence():
