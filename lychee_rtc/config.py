@@ -87,8 +87,8 @@ class RtcSettings(_Section):
     # the uplink's arrival jitter off the downlink.
     passthrough_pacing: Literal["arrival", "steady"] = "arrival"
     # libopus's application for what this server sends: "lowdelay" (CELT only) has 2.5 ms of
-    # algorithmic delay against 6.5 ms for "voip" and "audio", and needs the bit rate aiortc sends
-    # (96 kbit/s) to sound as good; it gives up SILK's speech coding at low bit rates.
+    # algorithmic delay against 6.5 ms for "voip" and "audio". CELT is Opus's mode for high bit
+    # rates such as the 96 kbit/s aiortc sends; it gives up SILK's speech coding at low bit rates.
     opus_application: Literal["voip", "audio", "lowdelay"] = "voip"
     # ICE consent (RFC 7675): the media path is given up when no consent check was answered this long.
     ice_consent_timeout_s: float = Field(30.0, ge=2, le=300)
