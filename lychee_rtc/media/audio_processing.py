@@ -16,7 +16,9 @@ stall that holds up both directions at once (a busy event loop, a network hiccup
 one against the other, which a canceller would take as a new echo path and relearn for seconds.
 What the transport sent ahead of the caller's playout waits in a queue: a carrier's lead (it plays
 what it was sent in real time), and 40 ms against jitter for WebRTC, whose track sends all the time.
-More than that standing for half a second is dropped, so the reference never runs late; none there (a carrier sends nothing between answers) is silence. At an interruption the carrier flushes what it had not played, and the queue goes too.
+More than that standing for half a second is dropped, so the reference never runs late; none there
+(a carrier sends nothing between answers) is silence. At an interruption the carrier flushes what
+it had not played, and the queue goes too.
 AEC3 finds the remaining delay (network, jitter buffers, the room) itself: measured with a 400 ms
 echo path (docs/benchmarks.md); its delay search reaches about half a second (docs/echo.md).
 """
@@ -127,21 +129,14 @@ class AudioProcessingStage:
         data = np.concatenate([self._held, np.asarray(samples, np.float32)])
         n = len(data) // self.frame * self.frame
         self._held = data[n:].copy()
-        out = np.empty(n, np.float32)
-        for i in range(0, n, self.frame):
-            out[i:i + self.frame] = self._process_frame(data[i:i + self.frame])
-        return out
+        return self._process_frames(data[:n])
 
     def process_gap(self, fill: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self._apm is None:
             return np.zeros(0, np.float32), fill
         held = self._flush_held()
         n = len(fill)
-        padded = np.pad(np.asarray(fill, np.float32), (0, -n % self.frame))
-        out = np.empty(len(padded), np.float32)
-        for i in range(0, len(padded), self.frame):
-            out[i:i + self.frame] = self._process_frame(padded[i:i + self.frame])
-        return held, out[:n]
+        return held, self._process_frames(np.pad(np.asarray(fill, np.float32), (0, -n % self.frame)))[:n]
 
     def close(self) -> None:
         self._apm = None
@@ -187,6 +182,13 @@ class AudioProcessingStage:
             return held
         padded = np.pad(held, (0, self.frame - len(held)))
         return self._process_frame(padded)[:len(held)]
+
+    def _process_frames(self, data: np.ndarray) -> np.ndarray:
+        """``data``: a whole number of 10 ms frames."""
+        out = np.empty(len(data), np.float32)
+        for i in range(0, len(data), self.frame):
+            out[i:i + self.frame] = self._process_frame(data[i:i + self.frame])
+        return out
 
     def _feed_reference(self) -> None:
         """One 10 ms frame of the far end for each 10 ms of uplink; silence if nothing left."""

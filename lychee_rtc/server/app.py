@@ -29,10 +29,10 @@ from lychee_rtc.server.session_body import session_options
 from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
 from lychee_rtc.server.openai.session_config import RealtimeProfile
-from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.server.telephony import add_routes as add_telephony_routes
 from lychee_rtc.session.dialect import DialectMap
 from lychee_rtc.session.native import EVENTS_LABEL, NativeDialect
+from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validator
 
 log = logging.getLogger(__name__)

@@ -239,13 +239,14 @@ class DuplexSession:
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
         if self.closed:
             return
-        if self.recording is not None and self.recording.tap is not None:
-            lost = np.zeros(n, np.float32)  # the lost time keeps its place: concealment, then silence
+        recorded = self.recording is not None and self.recording.tap is not None
+        if recorded or (self.processing is not None and n > 0):
+            concealed = np.zeros(n, np.float32)  # the lost time keeps its place: concealment, then silence
             if fill is not None:
-                lost[:min(n, len(fill))] = fill[:n]
-            self._record_caller(lost)
+                concealed[:min(n, len(fill))] = fill[:n]
+        if recorded:
+            self._record_caller(concealed)
         if self.processing is not None and n > 0:
-            concealed = np.zeros(n, np.float32) if fill is None else np.pad(fill, (0, max(0, n - len(fill))))[:n]
             held, fill = self.processing.process_gap(concealed)
             if len(held):
                 self.uplink.audio(held, now)
