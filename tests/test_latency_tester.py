@@ -77,6 +77,7 @@ async def test_the_page_measures_mouth_to_ear_and_exports_what_it_shows(tmp_path
         result = await run_page(url, PageRun(probes=12, interval_ms=300), during=export)
 
     assert result["mode"] == "loopback" and result["signaling"] == "offer" and result["sample_rate"] == 48000
+    assert result["warmup_s"] == 1.5  # the page's default
     values = heard(result)
     # On a loaded machine the path itself loses some probes (the server cuts a standing backlog, the
     # browser's jitter buffer time-stretches over a chirp); the page must count those as lost.
@@ -222,8 +223,8 @@ async def test_stop_ends_the_run_with_what_was_measured():
 
 async def test_whip_signaling_measures_the_same_way():
     async with spawned_server("loopback") as (url, _pid):
-        result = await run_page(url, PageRun(probes=6, interval_ms=300, signaling="whip"))
-    assert result["signaling"] == "whip"
+        result = await run_page(url, PageRun(probes=6, interval_ms=300, signaling="whip", warmup_s=0.5))
+    assert result["signaling"] == "whip" and result["warmup_s"] == 0.5
     assert len(heard(result)) >= 2, result["summary"]
 
 

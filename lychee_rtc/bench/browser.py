@@ -60,6 +60,7 @@ class PageRun:
     token: str = ""
     server: str = ""  # ?server=: another server than the one serving the page
     check_ms: float = 0.0  # self-check: every second probe delayed this much after the mouth point
+    warmup_s: float | None = None  # connected → first probe (the page's default when None)
 
     def query(self) -> str:
         q: dict[str, Any] = {"mode": self.mode, "probes": self.probes, "interval_ms": self.interval_ms,
@@ -70,6 +71,8 @@ class PageRun:
             q["server"] = self.server
         if self.check_ms:
             q["check_ms"] = self.check_ms
+        if self.warmup_s is not None:
+            q["warmup_s"] = self.warmup_s
         return urlencode(q)
 
 
@@ -176,7 +179,7 @@ async def _main(args: argparse.Namespace) -> int:
     run = PageRun(mode=args.mode, probes=args.probes, interval_ms=args.interval_ms, signaling=args.signaling,
                   jitter_buffer_target_ms=args.jitter_buffer_target_ms,
                   utterance=Path(args.utterance) if args.utterance else None, threshold=args.threshold,
-                  token=args.token or "", check_ms=args.self_check_ms)
+                  token=args.token or "", check_ms=args.self_check_ms, warmup_s=args.warmup_s)
     if args.compare:
         rows = await compare(run, seed=args.seed, chromium=args.chromium)
         table = comparison_table(rows)
@@ -234,6 +237,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["loopback", "response"], default="loopback")
     p.add_argument("--probes", type=int, default=50, help="probes (response mode: utterances) (default 50)")
     p.add_argument("--interval-ms", type=float, default=500.0, help="between probes (default 500)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="connected → first probe, while the jitter buffer settles (default: the page's, 1.5 s)")
     p.add_argument("--signaling", choices=["auto", "offer", "whip"], default="auto")
     p.add_argument("--jitter-buffer-target-ms", type=float, default=None,
                    help="RTCRtpReceiver.jitterBufferTarget on the page's incoming audio (default: the browser's)")
