@@ -1,8 +1,9 @@
 """The entry's view of its workers: state from polls, free slots, least-loaded choice.
 
 Every ``poll_interval_s`` the entry asks each worker for its status through Ray. A worker that does
-not answer within ``status_timeout_s`` (its process died and Ray is restarting it, or its node is
-gone) is ``down`` and takes no calls; a forward that cannot connect marks it down at once. When it
+not answer within ``status_timeout_s`` several polls in a row (its process died and Ray is
+restarting it, or its node is gone) is ``down`` and takes no calls; a refused health check or a
+forward that cannot connect marks it down at once. When it
 answers again with a new boot id, the sessions of its previous process are known to be gone and it
 takes calls again. The entry also counts the offers it placed that a worker's reports may not
 include yet (accounting.py), so a burst of offers does not all go to the worker that looked
@@ -26,8 +27,9 @@ log = logging.getLogger(__name__)
 # down: no answer (restarting or lost); dead: Ray gave up on it; stopped: drained and not restarted.
 STATES = ("starting", "ready", "draining", "down", "dead", "stopped")
 DEAD_AFTER_ERRORS = 3
-# /healthz answers this late this many times in a row before a worker counts as down: on a busy
-# host one slow answer is not a dead port (a refused connection is conclusive at once).
+# /healthz, or the status poll through Ray, answers this late this many times in a row before a
+# worker counts as down: on a busy host one slow answer is not a dead process (a refused
+# connection is conclusive at once).
 DOWN_AFTER_SLOW_CHECKS = 3
 
 
@@ -54,6 +56,7 @@ class WorkerView:
     probe_requested_at: int = 0  # when it was requested (accounting.now)
     errors: int = 0  # status requests in a row that failed at once
     slow_checks: int = 0  # /healthz checks in a row that timed out
+    late_polls: int = 0  # status polls in a row that got no answer within the timeout
     retired_boot: str | None = None  # the process a drain ended (its late answers are ignored)
 
     @property
@@ -184,8 +187,12 @@ class Registry:
             if view.state == "starting":
                 await self._explain_start(view)
             else:
-                self.mark_down(view, f"no status within {self.status_timeout_s:g} s")
+                view.late_polls += 1
+                if view.late_polls >= DOWN_AFTER_SLOW_CHECKS:
+                    self.mark_down(view, f"no status within {self.status_timeout_s:g} s, "
+                                         f"{view.late_polls} polls in a row")
             return
+        view.late_polls = 0
         probe, view.probe = view.probe, None
         try:
             status = probe.result()
