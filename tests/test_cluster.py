@@ -73,6 +73,7 @@ rtc: {{ice_servers: [], jitter_buffer: lowlatency}}
 session: {{max_sessions: {SLOTS_PER_WORKER}, connect_timeout_s: 60, retry_after_s: 3}}
 engine: {{name: echo, echo: {{mode: loopback, loopback_window_ms: 20}}}}
 telephony: {{telnyx: {{token: "{TELNYX_TOKEN}"}}}}
+recording: {{enabled: true, directory: "{path.parent / 'recordings'}"}}
 cluster:
   address: "{address}"
   namespace: {namespace}
@@ -280,6 +281,29 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
         _, _, _, metrics = await _get(entry.url + "/metrics")
         assert re.search(rb"^lychee_rtc_cluster_active_sessions 2\.0$", metrics, re.M)
         assert re.search(rb'^lychee_rtc_cluster_offers_total\{outcome="placed"\} [1-9]', metrics, re.M)
+        # Every call is recorded by its worker, in a folder of the worker's own; the entry lists
+        # them all and passes each recording on from its worker (its session's token opens it).
+        status, headers, data, raw = await _get(f"{entry.url}/v1/recordings", ADMIN)
+        check_response("/v1/recordings", "GET", status, headers, raw)
+        assert {a.session_id, b.session_id} <= {m["session_id"] for m in data["recordings"]}
+        for client in (a, b):
+            assert (entry.log.parent / "recordings" / worker_of(client.session_id) / client.session_id).is_dir()
+        audio = b""
+
+        async def recorded() -> bool:
+            nonlocal audio
+            status, headers, _, audio = await _get(f"{entry.url}/v1/sessions/{b.session_id}/recording", b.auth_headers)
+            check_response("/v1/sessions/{session_id}/recording", "GET", status, headers, audio)
+            return audio.startswith(b"OggS")
+        await wait_for(entry, recorded, "the call's recording through the entry", timeout=30)
+        status, headers, _, raw = await _get(f"{entry.url}/v1/sessions/{b.session_id}/recording/events", b.auth_headers)
+        check_response("/v1/sessions/{session_id}/recording/events", "GET", status, headers, raw)
+        assert b.session_id.encode() in raw
+        status, _, data, _ = await _get(f"{entry.url}/v1/sessions/{b.session_id}/recording")
+        assert status == 401  # not without its token
+        # The latency tester's page is served by the entry, as by a single server.
+        status, headers, _, page = await _get(f"{entry.url}/latency")
+        assert status == 200 and headers["Content-Type"].startswith("text/html") and b"latency.js" in page
         # Each worker's own metrics stay reachable, through the entry too.
         worker = worker_of(a.session_id)
         status, _, _, worker_metrics = await _get(f"{entry.url}/v1/cluster/workers/{worker}/metrics")

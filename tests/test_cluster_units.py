@@ -458,3 +458,95 @@ async def test_the_relay_reports_the_workers_first_frame():
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_the_entry_lists_and_streams_recordings_from_the_worker_that_holds_them():
+    """The entry's recording routes against two workers that are plain HTTP servers (what the
+    workers answer is tested with real servers in test_recording*.py; the path through Ray in
+    test_cluster.py). A recording larger than any answer the entry holds whole passes through."""
+    import hashlib
+    import os
+
+    from aiohttp import web
+
+    from lychee_rtc.cluster.entry import FLEET_KEY, create_entry_app
+    from lychee_rtc.cluster.proxy import MAX_RESPONSE_BYTES
+
+    audio = os.urandom(MAX_RESPONSE_BYTES + 1_000_003)
+    kept = {"w0": {"sess_w0-aaaa": 20.0}, "w1": {"sess_w1-bbbb": 10.0, "sess_w1-cccc": 30.0}}
+    seen_auth: list[str | None] = []
+
+    def worker_app(worker: str) -> web.Application:
+        async def listing(request):
+            if request.headers.get("Authorization") != "Bearer key":
+                return web.json_response({"error": {"code": "unauthorized"}}, status=401)
+            return web.json_response({"recordings": [{"session_id": s, "started_at": t} for s, t in kept[worker].items()]})
+
+        async def recording(request):
+            seen_auth.append(request.headers.get("Authorization"))
+            session = request.match_info["session_id"]
+            if session not in kept[worker]:
+                return web.json_response({"error": {"code": "recording_not_found"}}, status=404)
+            if request.method == "DELETE":
+                return web.json_response({"error": {"code": "recording_in_progress"}}, status=409)
+            if request.path.endswith("/events"):
+                return web.Response(body=b'{"type": "session.created"}\n', content_type="application/x-ndjson")
+            return web.Response(body=audio, content_type="audio/ogg")
+
+        app = web.Application()
+        app.router.add_get("/v1/recordings", listing)
+        app.router.add_get("/v1/sessions/{session_id}/recording", recording)
+        app.router.add_get("/v1/sessions/{session_id}/recording/events", recording)
+        app.router.add_delete("/v1/sessions/{session_id}/recording", recording)
+        return app
+
+    entry_app = create_entry_app(load_settings(None, environ={}))
+    entry_app.on_startup.clear()  # no Ray: the fleet's workers are set up by hand below
+    entry_app.on_cleanup.clear()
+    fleet = entry_app[FLEET_KEY]
+    runners = []
+    ports = {"w0": free_port(), "w1": free_port(), "entry": free_port()}
+    try:
+        for name, app in (("w0", worker_app("w0")), ("w1", worker_app("w1")), ("entry", entry_app)):
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", ports[name]).start()
+            runners.append(runner)
+        fleet.http = aiohttp.ClientSession(auto_decompress=False)
+        for worker in ("w0", "w1"):
+            view = fleet.registry.add(worker, None)
+            view.status, view.state = _status(worker, 4, url=f"http://127.0.0.1:{ports[worker]}"), "ready"
+        entry = f"http://127.0.0.1:{ports['entry']}"
+        key = {"Authorization": "Bearer key"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(entry + "/v1/recordings", headers=key) as r:
+                assert r.status == 200
+                assert [m["session_id"] for m in (await r.json())["recordings"]] == [
+                    "sess_w1-bbbb", "sess_w0-aaaa", "sess_w1-cccc"]  # oldest first, across workers
+            async with http.get(entry + "/v1/recordings") as r:
+                assert r.status == 401  # the workers' refusal, as it came
+            async with http.get(entry + "/v1/sessions/sess_w1-cccc/recording", headers={"Authorization": "Bearer t"}) as r:
+                assert r.status == 200 and r.content_type == "audio/ogg" and r.content_length == len(audio)
+                digest = hashlib.sha256()
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    digest.update(chunk)
+                assert digest.digest() == hashlib.sha256(audio).digest()
+            assert seen_auth[-1] == "Bearer t"  # the session's token reached the worker
+            async with http.get(entry + "/v1/sessions/sess_w0-aaaa/recording/events") as r:
+                assert r.status == 200 and r.content_type == "application/x-ndjson"
+            async with http.delete(entry + "/v1/sessions/sess_w0-aaaa/recording") as r:
+                assert r.status == 409 and (await r.json())["error"]["code"] == "recording_in_progress"
+            async with http.get(entry + "/v1/sessions/sess_w0-zzzz/recording") as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "recording_not_found"
+            for unknown in ("sess_w7-aaaa", "nonsense"):  # no such worker: the entry answers itself
+                async with http.get(f"{entry}/v1/sessions/{unknown}/recording") as r:
+                    assert r.status == 404 and (await r.json())["error"]["code"] == "recording_not_found"
+            fleet.registry.workers["w1"].state = "dead"
+            async with http.get(entry + "/v1/sessions/sess_w1-bbbb/recording") as r:
+                body = await r.json()
+                assert r.status == 404 and "its worker w1 is dead" in body["error"]["message"]
+    finally:
+        if fleet.http is not None:
+            await fleet.http.close()
+        for runner in runners:
+            await runner.cleanup()

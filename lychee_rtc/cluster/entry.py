@@ -5,11 +5,11 @@
   turns out full or unreachable is skipped for the next one; when none has room the entry answers
   503 with ``Retry-After``.
 * Follow-ups (``/whip/{id}``, ``/v1/sessions/{id}``, ``/v1/realtime/calls/{id}/hangup``, the
-  sideband WebSocket ``/v1/realtime?call_id=``) go to the worker named in the session id (a call id
-  is a session id).
+  sideband WebSocket ``/v1/realtime?call_id=``, a session's recording) go to the worker named in
+  the session id (a call id is a session id); a recording passes on as it arrives.
 * ``POST /v1/realtime/client_secrets`` goes to any ready worker: keys are signed with the server key
   that every worker shares, so any worker accepts a key that another minted.
-* ``/readyz``, ``/metrics`` and ``/v1/sessions`` describe the whole cluster; each worker keeps its
+* ``/readyz``, ``/metrics``, ``/v1/sessions`` and ``/v1/recordings`` describe the whole cluster; each worker keeps its
   own, on its own port (``/v1/cluster/workers/{id}/metrics`` reaches a worker's through the entry).
 * ``POST /v1/cluster/workers/{id}/drain`` is the rolling restart: the worker takes no new calls,
   ends after its calls or a deadline, and Ray starts a new process in its place.
@@ -30,12 +30,13 @@ from aiohttp import web
 from lychee_rtc import __version__
 from lychee_rtc.cluster.fleet import Fleet, NoPlacement
 from lychee_rtc.cluster.ids import worker_of
-from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, open_websocket, relay_websocket
+from lychee_rtc.cluster.proxy import (WorkerFailed, WorkerUnreachable, forward, forward_download, open_websocket,
+                                      relay_websocket)
 from lychee_rtc.cluster.registry import WorkerView
 from lychee_rtc.config import Settings
 from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.server import auth, http
-from lychee_rtc.server.app import SETTINGS_KEY, index
+from lychee_rtc.server.app import SETTINGS_KEY, index, latency_page
 from lychee_rtc.server.openai import routes as realtime
 
 FLEET_KEY = web.AppKey("fleet", Fleet)
@@ -171,17 +172,22 @@ def _not_found(session_id: str, what: str, detail: str = "") -> web.Response:
     return http.error_response(404, "session_not_found", message)
 
 
+def _worker_holding(request: web.Request, session_id: str) -> WorkerView | str:
+    """The worker that holds ``session_id``, or why there is none to ask (a detail for a 404)."""
+    view = request.app[FLEET_KEY].registry.workers.get(worker_of(session_id) or "")
+    if view is None:
+        return " (through the cluster entry, name a call by its session id)" \
+            if request.path.startswith("/v1/telephony/") else ""
+    if view.state in ("dead", "stopped") or view.url is None:
+        return f": its worker {view.worker_id} is {view.state}"
+    return view
+
+
 def _holder(request: web.Request, target: tuple[str, str] | None = None) -> WorkerView | web.Response:
     """The worker that holds the session a follow-up names, or the 404 a single server would give."""
     session_id, what = target or _target(request)
-    view = request.app[FLEET_KEY].registry.workers.get(worker_of(session_id) or "")
-    if view is None:
-        hint = " (through the cluster entry, name a call by its session id)" \
-            if request.path.startswith("/v1/telephony/") else ""
-        return _not_found(session_id, what, hint)
-    if view.state in ("dead", "stopped") or view.url is None:
-        return _not_found(session_id, what, f": its worker {view.worker_id} is {view.state}")
-    return view
+    view = _worker_holding(request, session_id)
+    return _not_found(session_id, what, view) if isinstance(view, str) else view
 
 
 def _resumed_session(request: web.Request, body: bytes) -> str | None:
@@ -257,20 +263,59 @@ async def routed_websocket(request: web.Request) -> web.StreamResponse:
     return await relay_websocket(request, upstream)
 
 
-async def list_sessions(request: web.Request) -> web.Response:
-    """Every worker's sessions in one list (workers that cannot be reached are left out)."""
+async def _from_every_worker(request: web.Request, key: str) -> list[dict[str, Any]] | web.Response:
+    """The request asked of every worker that takes requests, their ``key`` lists joined (workers
+    that cannot be reached are left out); a worker's refusal (a missing or wrong key) as it came."""
     fleet = request.app[FLEET_KEY]
     views = [v for v in fleet.registry.workers.values() if v.state in ("ready", "draining") and v.url]
     results = await asyncio.gather(*(forward(fleet.http, v.url, request, b"", fleet.timeout())
                                      for v in views), return_exceptions=True)
-    sessions: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
     for result in results:
         if isinstance(result, web.Response):
             if result.status != 200:
-                return result  # the workers' answer to a missing or wrong key
-            sessions.extend(json.loads(result.body)["sessions"])
-    return http.json_response({"capacity": fleet.registry.capacity, "free": fleet.registry.free,
-                              "sessions": sessions})
+                return result
+            items.extend(json.loads(result.body)[key])
+    return items
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    """Every worker's sessions in one list."""
+    sessions = await _from_every_worker(request, "sessions")
+    if isinstance(sessions, web.Response):
+        return sessions
+    registry = request.app[FLEET_KEY].registry
+    return http.json_response({"capacity": registry.capacity, "free": registry.free, "sessions": sessions})
+
+
+async def list_recordings(request: web.Request) -> web.Response:
+    """Every worker's recordings in one list, oldest first as one server lists them. A worker's
+    recordings are on its own disk: those of a worker that is down are missing until it is back."""
+    recordings = await _from_every_worker(request, "recordings")
+    if isinstance(recordings, web.Response):
+        return recordings
+    recordings.sort(key=lambda meta: meta.get("started_at") or 0)
+    return http.json_response({"recordings": recordings})
+
+
+async def routed_recording(request: web.Request) -> web.StreamResponse:
+    """A session's recording (docs/recording.md), from the worker in its session id: files pass on
+    as they arrive (a long call's recording is larger than any answer the entry holds whole)."""
+    fleet = request.app[FLEET_KEY]
+    session_id = request.match_info["session_id"]
+    view = _worker_holding(request, session_id)
+    if isinstance(view, str):
+        return http.error_response(404, "recording_not_found", f"no recording of session {session_id!r}{view}")
+    try:
+        if request.method == "DELETE":
+            return await forward(fleet.http, view.url, request, b"", fleet.timeout())
+        return await forward_download(fleet.http, view.url, request, fleet.download_timeout())
+    except WorkerUnreachable as exc:
+        fleet.registry.mark_down(view, str(exc))
+        return _unavailable(fleet, "worker_unavailable",
+                            f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
+    except WorkerFailed as exc:
+        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
 
 
 # --- health and operations -------------------------------------------------------------------------
@@ -376,6 +421,10 @@ def create_entry_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{session_id}", routed)
     app.router.add_delete("/v1/sessions/{session_id}", routed)
+    app.router.add_get("/v1/recordings", list_recordings)
+    app.router.add_get("/v1/sessions/{session_id}/recording", routed_recording)
+    app.router.add_get("/v1/sessions/{session_id}/recording/events", routed_recording)
+    app.router.add_delete("/v1/sessions/{session_id}/recording", routed_recording)
     app.router.add_post(realtime.CALLS_PATH, place)
     app.router.add_post(realtime.CALLS_PATH + "/{call_id}/hangup", routed_server_key)
     app.router.add_post("/v1/realtime/client_secrets", any_worker)
@@ -391,6 +440,7 @@ def create_entry_app(settings: Settings) -> web.Application:
     app.router.add_post("/v1/cluster/workers/{worker_id}/drain", drain_worker)
     app.router.add_get("/v1/cluster/workers/{worker_id}/metrics", worker_metrics)
     app.router.add_get("/", index)
+    app.router.add_get("/latency", latency_page)
     if settings.web_root.is_dir():
         app.router.add_static("/static/", settings.web_root, show_index=False)
 

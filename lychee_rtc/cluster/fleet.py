@@ -70,6 +70,12 @@ class Fleet:
         cluster = self.settings.cluster
         return aiohttp.ClientTimeout(total=total or cluster.forward_timeout_s, sock_connect=cluster.connect_timeout_s)
 
+    def download_timeout(self) -> aiohttp.ClientTimeout:
+        """A file of any length: no limit on the whole, only on each wait for the next bytes."""
+        cluster = self.settings.cluster
+        return aiohttp.ClientTimeout(total=None, sock_connect=cluster.connect_timeout_s,
+                                     sock_read=cluster.forward_timeout_s)
+
     # --- life ---------------------------------------------------------------------------------------
 
     async def start(self) -> None:

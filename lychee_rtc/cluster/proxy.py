@@ -69,6 +69,46 @@ async def forward(http: aiohttp.ClientSession, base_url: str, request: web.Reque
         raise WorkerFailed(f"{base_url} failed: {type(exc).__name__}: {exc}") from None
 
 
+DOWNLOAD_CHUNK_BYTES = 64 * 1024
+
+
+async def forward_download(http: aiohttp.ClientSession, base_url: str, request: web.Request,
+                           timeout: aiohttp.ClientTimeout) -> web.StreamResponse:
+    """A file from the worker (a call recording), passed on chunk by chunk as it arrives: any
+    length, in bounded memory. An answer other than 200 comes back whole, as ``forward`` gives it.
+    If the worker fails mid-file, the client's response ends short of its Content-Length."""
+    url = base_url + request.path_qs
+    try:
+        upstream = await http.request(request.method, url, headers=forward_headers(request), timeout=timeout,
+                                      allow_redirects=False)
+    except CONNECT_TIMEOUT as exc:
+        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc}") from None
+    except aiohttp.ClientConnectorError as exc:
+        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc.os_error or exc}") from None
+    except asyncio.TimeoutError:
+        raise WorkerFailed(f"no answer from {base_url} within {timeout.sock_read or timeout.total:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise WorkerFailed(f"{base_url} failed: {type(exc).__name__}: {exc}") from None
+    async with upstream:
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in upstream.headers.items():
+            if name.lower() not in HOP_BY_HOP:
+                headers.add(name, value)
+        if upstream.status != 200:
+            data = await upstream.content.read(MAX_RESPONSE_BYTES + 1)
+            if len(data) > MAX_RESPONSE_BYTES:
+                raise WorkerFailed(f"response from {base_url} exceeds {MAX_RESPONSE_BYTES} bytes")
+            return web.Response(status=upstream.status, headers=headers, body=data)
+        response = web.StreamResponse(status=200, headers=headers)
+        if upstream.content_length is not None:  # the bytes pass on as they are (no decompression)
+            response.content_length = upstream.content_length
+        await response.prepare(request)
+        async for chunk in upstream.content.iter_chunked(DOWNLOAD_CHUNK_BYTES):
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+
 # WebSocket handshake headers: the entry makes its own handshake with the worker.
 WS_HANDSHAKE = frozenset(h.lower() for h in (
     "Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions", "Sec-WebSocket-Protocol"))

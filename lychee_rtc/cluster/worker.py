@@ -74,6 +74,10 @@ class WorkerServer:
 
     def __init__(self, worker_id: str, settings_json: str, node_ip: str | None = None) -> None:
         settings = Settings.model_validate_json(settings_json)
+        # A folder of its own for its recordings: workers on one node would otherwise share one, and
+        # each one's start-up recovery and retention would act on the other's calls.
+        recording = settings.recording.model_copy(update={"directory": settings.recording.directory / worker_id})
+        settings = settings.model_copy(update={"recording": recording})
         self.worker_id = worker_id
         self.boot = secrets.token_hex(4)
         self.node_ip = node_ip or _ray_node_ip()
