@@ -460,7 +460,7 @@ async def test_the_relay_reports_the_workers_first_frame():
             await runner.cleanup()
 
 
-async def test_the_entry_lists_and_streams_recordings_from_the_worker_that_holds_them():
+async def test_the_entry_lists_and_streams_recordings_from_the_worker_that_holds_them(tmp_path):
     """The entry's recording routes against two workers that are plain HTTP servers (what the
     workers answer is tested with real servers in test_recording*.py; the path through Ray in
     test_cluster.py). A recording larger than any answer the entry holds whole passes through."""
@@ -473,6 +473,8 @@ async def test_the_entry_lists_and_streams_recordings_from_the_worker_that_holds
     from lychee_rtc.cluster.proxy import MAX_RESPONSE_BYTES
 
     audio = os.urandom(MAX_RESPONSE_BYTES + 1_000_003)
+    audio_file = tmp_path / "audio.ogg"
+    audio_file.write_bytes(audio)
     kept = {"w0": {"sess_w0-aaaa": 20.0}, "w1": {"sess_w1-bbbb": 10.0, "sess_w1-cccc": 30.0}}
     seen_auth: list[str | None] = []
 
@@ -491,7 +493,7 @@ async def test_the_entry_lists_and_streams_recordings_from_the_worker_that_holds
                 return web.json_response({"error": {"code": "recording_in_progress"}}, status=409)
             if request.path.endswith("/events"):
                 return web.Response(body=b'{"type": "session.created"}\n', content_type="application/x-ndjson")
-            return web.Response(body=audio, content_type="audio/ogg")
+            return web.FileResponse(audio_file, headers={"Content-Type": "audio/ogg"})  # as a worker serves it
 
         app = web.Application()
         app.router.add_get("/v1/recordings", listing)
@@ -532,6 +534,8 @@ async def test_the_entry_lists_and_streams_recordings_from_the_worker_that_holds
                     digest.update(chunk)
                 assert digest.digest() == hashlib.sha256(audio).digest()
             assert seen_auth[-1] == "Bearer t"  # the session's token reached the worker
+            async with http.get(entry + "/v1/sessions/sess_w1-cccc/recording", headers={"Range": "bytes=100-"}) as r:
+                assert r.status == 206 and await r.read() == audio[100:]  # resuming a download
             async with http.get(entry + "/v1/sessions/sess_w0-aaaa/recording/events") as r:
                 assert r.status == 200 and r.content_type == "application/x-ndjson"
             async with http.delete(entry + "/v1/sessions/sess_w0-aaaa/recording") as r:

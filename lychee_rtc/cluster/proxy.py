@@ -75,8 +75,8 @@ DOWNLOAD_CHUNK_BYTES = 64 * 1024
 async def forward_download(http: aiohttp.ClientSession, base_url: str, request: web.Request,
                            timeout: aiohttp.ClientTimeout) -> web.StreamResponse:
     """A file from the worker (a call recording), passed on chunk by chunk as it arrives: any
-    length, in bounded memory. An answer other than 200 comes back whole, as ``forward`` gives it.
-    If the worker fails mid-file, the client's response ends short of its Content-Length."""
+    length, in bounded memory; a range request's 206 too. Other answers come back whole, as
+    ``forward`` gives them. If the worker fails mid-file, the response ends short of its length."""
     url = base_url + request.path_qs
     try:
         upstream = await http.request(request.method, url, headers=forward_headers(request), timeout=timeout,
@@ -94,12 +94,12 @@ async def forward_download(http: aiohttp.ClientSession, base_url: str, request: 
         for name, value in upstream.headers.items():
             if name.lower() not in HOP_BY_HOP:
                 headers.add(name, value)
-        if upstream.status != 200:
+        if upstream.status not in (200, 206):
             data = await upstream.content.read(MAX_RESPONSE_BYTES + 1)
             if len(data) > MAX_RESPONSE_BYTES:
                 raise WorkerFailed(f"response from {base_url} exceeds {MAX_RESPONSE_BYTES} bytes")
             return web.Response(status=upstream.status, headers=headers, body=data)
-        response = web.StreamResponse(status=200, headers=headers)
+        response = web.StreamResponse(status=upstream.status, headers=headers)
         if upstream.content_length is not None:  # the bytes pass on as they are (no decompression)
             response.content_length = upstream.content_length
         await response.prepare(request)
