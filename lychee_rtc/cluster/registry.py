@@ -3,9 +3,8 @@
 Every ``poll_interval_s`` the entry asks each worker for its status through Ray. A worker that does
 not answer within ``status_timeout_s`` several polls in a row (its process died and Ray is
 restarting it, or its node is gone) is ``down`` and takes no calls; a refused health check or a
-forward that cannot connect marks it down at once. When it
-answers again with a new boot id, the sessions of its previous process are known to be gone and it
-takes calls again. The entry also counts the offers it placed that a worker's reports may not
+forward that cannot connect marks it down at once. When it answers again with a new boot id, the
+sessions of its previous process are known to be gone and it takes calls again. The entry also counts the offers it placed that a worker's reports may not
 include yet (accounting.py), so a burst of offers does not all go to the worker that looked
 emptiest at the last poll.
 """
