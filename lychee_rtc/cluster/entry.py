@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -209,21 +210,30 @@ async def routed(request: web.Request) -> web.Response:
 
 async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[str, str]) -> web.Response:
     fleet = request.app[FLEET_KEY]
-    session_id = target[0]
     view = _holder(request, target)
     if isinstance(view, web.Response):
         return view
-    started = time.monotonic()
-    try:
+
+    async def send() -> web.Response:
+        started = time.monotonic()
         response = await forward(fleet.http, view.url, request, body, fleet.timeout())
+        fleet.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
+        return response
+    return await _from_holder(fleet, view, target[0], send)
+
+
+async def _from_holder(fleet: Fleet, view: WorkerView, session_id: str,
+                       send: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """``send()`` to the worker holding the session: one that cannot be reached is marked down and
+    answered 503; one that took the request and gave no complete answer, 502."""
+    try:
+        return await send()
     except WorkerUnreachable as exc:
         fleet.registry.mark_down(view, str(exc))
         return _unavailable(fleet, "worker_unavailable",
                             f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
     except WorkerFailed as exc:
         return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
-    fleet.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
-    return response
 
 
 async def routed_server_key(request: web.Request) -> web.Response:
@@ -306,16 +316,11 @@ async def routed_recording(request: web.Request) -> web.StreamResponse:
     view = _worker_holding(request, session_id)
     if isinstance(view, str):
         return http.error_response(404, "recording_not_found", f"no recording of session {session_id!r}{view}")
-    try:
-        if request.method == "DELETE":
-            return await forward(fleet.http, view.url, request, b"", fleet.timeout())
-        return await forward_download(fleet.http, view.url, request, fleet.download_timeout())
-    except WorkerUnreachable as exc:
-        fleet.registry.mark_down(view, str(exc))
-        return _unavailable(fleet, "worker_unavailable",
-                            f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
-    except WorkerFailed as exc:
-        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
+    if request.method == "DELETE":
+        return await _from_holder(fleet, view, session_id,
+                                  lambda: forward(fleet.http, view.url, request, b"", fleet.timeout()))
+    return await _from_holder(fleet, view, session_id,
+                              lambda: forward_download(fleet.http, view.url, request, fleet.download_timeout()))
 
 
 # --- health and operations -------------------------------------------------------------------------

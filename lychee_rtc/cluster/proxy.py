@@ -9,7 +9,8 @@ another worker; once the request was sent, a failure is the client's 502.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import aiohttp
 from aiohttp import web
@@ -45,28 +46,45 @@ def forward_headers(request: web.Request) -> CIMultiDict[str]:
     return headers
 
 
-async def forward(http: aiohttp.ClientSession, base_url: str, request: web.Request, body: bytes,
-                  timeout: aiohttp.ClientTimeout, path_qs: str | None = None) -> web.Response:
-    url = base_url + (path_qs if path_qs is not None else request.path_qs)
+@contextlib.contextmanager
+def _worker_errors(base_url: str, timeout: aiohttp.ClientTimeout) -> Iterator[None]:
+    """aiohttp's failures, told apart as the entry needs them: the request never reached the
+    worker (``WorkerUnreachable``), or it did and no complete answer came (``WorkerFailed``)."""
     try:
-        async with http.request(request.method, url, headers=forward_headers(request), data=body or None,
-                                timeout=timeout, allow_redirects=False) as upstream:
-            data = await upstream.content.read(MAX_RESPONSE_BYTES + 1)
-            if len(data) > MAX_RESPONSE_BYTES:
-                raise WorkerFailed(f"response from {base_url} exceeds {MAX_RESPONSE_BYTES} bytes")
-            headers: CIMultiDict[str] = CIMultiDict()
-            for name, value in upstream.headers.items():
-                if name.lower() not in HOP_BY_HOP:
-                    headers.add(name, value)
-            return web.Response(status=upstream.status, headers=headers, body=data)
+        yield
     except CONNECT_TIMEOUT as exc:
         raise WorkerUnreachable(f"cannot connect to {base_url}: {exc}") from None
     except aiohttp.ClientConnectorError as exc:
         raise WorkerUnreachable(f"cannot connect to {base_url}: {exc.os_error or exc}") from None
     except asyncio.TimeoutError:
-        raise WorkerFailed(f"no answer from {base_url} within {timeout.total:g} s") from None
+        raise WorkerFailed(f"no answer from {base_url} within {timeout.total or timeout.sock_read:g} s") from None
     except aiohttp.ClientError as exc:
         raise WorkerFailed(f"{base_url} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _passed_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.headers.items():
+        if name.lower() not in HOP_BY_HOP:
+            headers.add(name, value)
+    return headers
+
+
+async def _whole(upstream: aiohttp.ClientResponse, base_url: str) -> web.Response:
+    """The worker's answer read whole (bounded) and passed on."""
+    data = await upstream.content.read(MAX_RESPONSE_BYTES + 1)
+    if len(data) > MAX_RESPONSE_BYTES:
+        raise WorkerFailed(f"response from {base_url} exceeds {MAX_RESPONSE_BYTES} bytes")
+    return web.Response(status=upstream.status, headers=_passed_headers(upstream), body=data)
+
+
+async def forward(http: aiohttp.ClientSession, base_url: str, request: web.Request, body: bytes,
+                  timeout: aiohttp.ClientTimeout, path_qs: str | None = None) -> web.Response:
+    url = base_url + (path_qs if path_qs is not None else request.path_qs)
+    with _worker_errors(base_url, timeout):
+        async with http.request(request.method, url, headers=forward_headers(request), data=body or None,
+                                timeout=timeout, allow_redirects=False) as upstream:
+            return await _whole(upstream, base_url)
 
 
 DOWNLOAD_CHUNK_BYTES = 64 * 1024
@@ -77,29 +95,14 @@ async def forward_download(http: aiohttp.ClientSession, base_url: str, request: 
     """A file from the worker (a call recording), passed on chunk by chunk as it arrives: any
     length, in bounded memory; a range request's 206 too. Other answers come back whole, as
     ``forward`` gives them. If the worker fails mid-file, the response ends short of its length."""
-    url = base_url + request.path_qs
-    try:
-        upstream = await http.request(request.method, url, headers=forward_headers(request), timeout=timeout,
-                                      allow_redirects=False)
-    except CONNECT_TIMEOUT as exc:
-        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc}") from None
-    except aiohttp.ClientConnectorError as exc:
-        raise WorkerUnreachable(f"cannot connect to {base_url}: {exc.os_error or exc}") from None
-    except asyncio.TimeoutError:
-        raise WorkerFailed(f"no answer from {base_url} within {timeout.sock_read or timeout.total:g} s") from None
-    except aiohttp.ClientError as exc:
-        raise WorkerFailed(f"{base_url} failed: {type(exc).__name__}: {exc}") from None
+    with _worker_errors(base_url, timeout):
+        upstream = await http.request(request.method, base_url + request.path_qs, headers=forward_headers(request),
+                                      timeout=timeout, allow_redirects=False)
     async with upstream:
-        headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in upstream.headers.items():
-            if name.lower() not in HOP_BY_HOP:
-                headers.add(name, value)
         if upstream.status not in (200, 206):
-            data = await upstream.content.read(MAX_RESPONSE_BYTES + 1)
-            if len(data) > MAX_RESPONSE_BYTES:
-                raise WorkerFailed(f"response from {base_url} exceeds {MAX_RESPONSE_BYTES} bytes")
-            return web.Response(status=upstream.status, headers=headers, body=data)
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+            with _worker_errors(base_url, timeout):
+                return await _whole(upstream, base_url)
+        response = web.StreamResponse(status=upstream.status, headers=_passed_headers(upstream))
         if upstream.content_length is not None:  # the bytes pass on as they are (no decompression)
             response.content_length = upstream.content_length
         await response.prepare(request)
