@@ -240,13 +240,14 @@ class DuplexSession:
         if self.closed:
             return
         recorded = self.recording is not None and self.recording.tap is not None
-        if recorded or (self.processing is not None and n > 0):
+        processed = self.processing is not None and n > 0
+        if recorded or processed:
             concealed = np.zeros(n, np.float32)  # the lost time keeps its place: concealment, then silence
             if fill is not None:
                 concealed[:min(n, len(fill))] = fill[:n]
         if recorded:
             self._record_caller(concealed)
-        if self.processing is not None and n > 0:
+        if processed:
             held, fill = self.processing.process_gap(concealed)
             if len(held):
                 self.uplink.audio(held, now)
