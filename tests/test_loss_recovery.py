@@ -10,6 +10,7 @@ the best one included, while a passing stall of a busy test machine raises only 
 
 from __future__ import annotations
 
+import time
 
 import numpy as np
 
@@ -31,13 +32,16 @@ def test_probe_detection_is_exact():
     assert matched_filter(signal, probe).max() <= 1.0 + 1e-6
 
 
-async def _distances(jitter_buffer: str) -> tuple[list[int], list[int], int, dict]:
+async def _distances(jitter_buffer: str, loss: float = 0.15,
+                     stall_s: float = 0.0) -> tuple[list[int], list[int], int, dict]:
+    """The distances before and after a middle phase with ``loss`` on the uplink, which starts
+    with a stall of the whole process (client and server) of ``stall_s``."""
     async with running_server("configs/loopback.yaml", rtc={"jitter_buffer": jitter_buffer}) as (url, app):
         client = RtcClient(url)
         await client.connect()
         try:
             probe = chirp()
-            phases = (8, 8, 8)  # clean, lossy, after
+            phases = (8, 8, 8)  # clean, impaired, after
             total = sum(phases)
             schedule = np.zeros(RATE + total * INTERVAL, np.float32)
             for k in range(total):
@@ -47,7 +51,9 @@ async def _distances(jitter_buffer: str) -> tuple[list[int], list[int], int, dic
             client.impair_uplink(impairment)
             # Phases follow the uplink's own clock (samples sent), not the wall clock.
             await client.wait_sent(int(start + RATE + phases[0] * INTERVAL))
-            impairment.loss = 0.15
+            impairment.loss = loss
+            if stall_s:
+                time.sleep(stall_s)  # blocks the event loop: a long collection, a starved CPU
             await client.wait_sent(int(start + RATE + (phases[0] + phases[1]) * INTERVAL))
             impairment.loss = 0.0
             await client.wait_sent(int(start + len(schedule) + RATE))
@@ -56,8 +62,7 @@ async def _distances(jitter_buffer: str) -> tuple[list[int], list[int], int, dic
             onsets = find_onsets(client.received.signal(), probe)
             call = next(iter(app[REGISTRY_KEY].calls.values()))
             lost = call.inbound.gaps
-            counters = call.snapshot()["counters"] | {"trimmed_samples": call.track.counters.trimmed_samples,
-                                                      "outbound_reanchors": call.track.counters.reanchors}
+            counters = call.snapshot()["counters"] | {"trimmed_samples": call.track.counters.trimmed_samples}
         finally:
             await client.close()
     # Chirps come back in order; pair each with its uplink position by order, skipping any the loss
@@ -85,6 +90,16 @@ async def test_uplink_loss_leaves_no_lasting_delay():
     kept = _kept_ms(before, after)
     # aiortc's buffer keeps ~200 ms after a loss (below); ours must be back within a packet or two.
     assert kept < 45, f"{kept:.0f} ms of delay kept after the loss; distances {before} / {after}; {counters}"
+
+
+async def test_a_stalled_server_keeps_no_delay():
+    """A stall too long to catch up on is skipped: the slots it took go unsent, and the downlink's
+    timestamps jump over them. Sent late with unbroken timestamps instead, every later packet reads
+    as that much late to the caller's jitter buffer, which keeps it (the delay shows here too)."""
+    before, after, _, counters = await _distances("lowlatency", loss=0.0, stall_s=0.4)
+    assert counters["outbound_skipped_frames"] > 0, counters
+    kept = _kept_ms(before, after)
+    assert abs(kept) < 45, f"{kept:.0f} ms of delay kept after the stall; distances {before} / {after}; {counters}"
 
 
 async def test_the_measure_sees_the_delay_aiortc_keeps():

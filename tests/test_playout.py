@@ -99,3 +99,33 @@ def test_two_packets_arriving_together_are_not_standing_delay():
         track.playout.read(track.frame_samples)
     assert track.counters.trimmed_samples == 0
     track.stop()
+
+
+async def test_a_stall_skips_its_slots_and_the_timestamps_jump_with_them():
+    """A sender that stalled past catching up leaves the slots it missed unsent, and the next
+    frame's pts is its slot's: the timestamps keep to the send clock, so a receiver sees a gap, not
+    every later packet arriving late. A short delay is caught up by sending at once instead."""
+    from lychee_rtc.rtc.outbound import MAX_CATCH_UP_S
+
+    now = [100.0]
+    track = PacedAudioTrack(in_rate=48000, out_rate=48000, clock=lambda: now[0])
+    track.write(0, "a", tone(48000))
+
+    async def frame_at(t: float):
+        now[0] = t
+        return await track.recv()
+
+    assert (await frame_at(100.0)).pts == 0
+    assert (await frame_at(100.020)).pts == 960
+    # Late by less than the catch-up limit: the next frames go at once, back to back.
+    late = 100.040 + MAX_CATCH_UP_S / 2
+    assert [(await frame_at(late)).pts for _ in range(3)] == [1920, 2880, 3840]
+    assert track.counters.stalls == 0
+    # A stall of half a second from the slot at 100.100: the slots it took are skipped.
+    frame = await frame_at(100.600)
+    assert frame.pts == 28800 and track.counters.stalls == 1 and track.counters.skipped_frames == 25
+    assert track.counters.frames == 6
+    # The audio itself was not skipped: it goes on where it stopped.
+    np.testing.assert_allclose(frame.to_ndarray()[0, :10] / 32767.0, 0.5, atol=1e-3)
+    assert track.playout.depth_samples == 48000 - 6 * 960
+    track.stop()

@@ -196,7 +196,7 @@ class EpochPlayout:
         self.max_buffer_s = max_buffer_s
         self.listener: PlayoutListener | None = None
         self.stale_chunks = 0  # writes rejected because their epoch was no longer live
-        self.position = 0  # outbound samples read so far: the stream offset of the next read
+        self.position = 0  # outbound samples read or skipped so far: the stream offset of the next read
         self._buffer = self._new_buffer(0)
         self._retired = PlayoutCounters()
 
@@ -279,6 +279,11 @@ class EpochPlayout:
 
     def discard(self, n: int) -> int:
         return self._buffer.discard(n)
+
+    def skip(self, n: int) -> None:
+        """``n`` samples of outbound stream time went by unsent (the sender stalled): the next read
+        starts that much later on the stream, with nothing taken from the queue."""
+        self.position += n
 
     def notify(self, epoch: int, mark: PlayoutMark, frame_offset: int) -> None:
         """Tell the listener that ``mark`` (read in the frame at ``frame_offset``) was heard."""

@@ -90,6 +90,7 @@ class RtcCall:
             "resumes": self.resumes,
             "outbound_frames": self.track.counters.frames,
             "outbound_stale_chunks": self.track.counters.stale_chunks,
+            "outbound_skipped_frames": self.track.counters.skipped_frames,  # slots a sender stall took
             "playout_underrun_samples": self.track.playout_counters().underrun_samples,
             "playout_overflow_samples": self.track.playout_counters().overflow_samples,
         })

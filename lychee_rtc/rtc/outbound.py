@@ -1,9 +1,11 @@
 """The outbound audio track: engine PCM paced out as 20 ms (or 10 ms) frames on a monotonic schedule.
 
 aiortc's sender pulls ``recv()`` as fast as it returns, so the pacing lives here: frame ``n`` is
-released at ``t0 + n * frame_ms`` with pts ``n * frame_samples`` (continuous RTP timestamps), and a
-frame of silence goes out whenever nothing is queued. The track writes at the negotiated codec's
-clock (48 kHz for Opus, 8 kHz for G.711) so the encoder never has to resample.
+released at ``t0 + n * frame_ms`` with pts ``n * frame_samples``, and a frame of silence goes out
+whenever nothing is queued. RTP timestamps thus keep to the send clock: after a stall too long to
+catch up on, the slots it took are skipped and the timestamps jump with them, so the receiver's
+jitter buffer sees a gap instead of every later packet arriving late. The track writes at the
+negotiated codec's clock (48 kHz for Opus, 8 kHz for G.711) so the encoder never has to resample.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lychee_rtc.rtc.packet_time import EncoderHints
 from lychee_rtc.rtc.send_phase import SendPhase
 
 FRAME_MS = 20  # the default; rtc.send_frame_ms picks 10 (each frame is one RTP packet)
-# Past this much lateness (an event-loop stall) the schedule is re-anchored instead of bursting.
+# Past this much lateness (an event-loop stall) the missed slots are skipped instead of sent in a burst.
 MAX_CATCH_UP_S = 0.2
 # Live mode: a frame may leave this much before its slot when its audio is already there, and a slot
 # waits this much past its time for audio that is about to arrive before sending silence.
@@ -38,7 +40,8 @@ LIVE_GRACE_S = 0.004
 class TrackCounters(SinkCounters):
     frames: int = 0
     silent_frames: int = 0
-    reanchors: int = 0
+    stalls: int = 0  # times the sender was too late to catch up and skipped slots
+    skipped_frames: int = 0  # slots skipped after stalls (the RTP timestamps jumped over them)
     early_frames: int = 0  # live mode: sent ahead of schedule because the audio was there
 
 
@@ -109,15 +112,32 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         now = self._clock()
         if self._t0 is None:
             self._t0 = now
-        due = self._t0 + self._frame_index * self.frame_ms / 1000
+        due = self._due()
         if now - due > MAX_CATCH_UP_S:
-            self._t0 = now - self._frame_index * self.frame_ms / 1000
-            self.counters.reanchors += 1
-        elif self.live:
+            self._skip_stalled_slots(now - due)
+            due = self._due()
+        if self.live:
             await self._wait_live(due)
         elif due > now:
             await asyncio.sleep(due - now)
         return self._next_frame()
+
+    def _due(self) -> float:
+        assert self._t0 is not None
+        return self._t0 + self._frame_index * self.frame_ms / 1000
+
+    def _skip_stalled_slots(self, late_s: float) -> None:
+        """The slots a stall took stay unsent. Keeping the schedule and moving the stream position
+        past them makes the RTP timestamps jump by the stall: had the schedule moved instead, every
+        later packet would carry a timestamp that much older than its send time, and the receiver's
+        jitter buffer would keep that as delay for the rest of the call (aiortc's for good, NetEq's
+        until it slowly compresses it away). What the sink held stays queued (a passthrough engine's
+        then reads as standing delay and is dropped)."""
+        missed = int(late_s * 1000 // self.frame_ms)
+        self._frame_index += missed
+        self.playout.skip(missed * self.frame_samples)
+        self.counters.stalls += 1
+        self.counters.skipped_frames += missed
 
     async def _wait_live(self, due: float) -> None:
         """Send when the frame's audio is there and its send point (``_send_offset``) has come, or
@@ -151,8 +171,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         if self.sent_tap is not None:
             # RTP has no playout receipts: a frame is heard as it leaves, in its slot of the send
             # schedule (the clock its RTP timestamps keep, also when a stalled frame goes out late).
-            assert self._t0 is not None
-            self.sent_tap.agent_sent(pcm, self.out_rate, self._t0 + self._frame_index * self.frame_ms / 1000)
+            self.sent_tap.agent_sent(pcm, self.out_rate, self._due())
         self._frame_index += 1
         self.counters.frames += 1
         if not marks and self.playout.playing is None:
