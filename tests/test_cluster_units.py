@@ -109,7 +109,11 @@ def test_least_loaded_worker_with_room_is_chosen():
     assert registry.choose(set()).worker_id in ("w0", "w1")
     registry.workers["w1"].placements.begin().taken()  # and so does a call no report shows yet
     assert registry.choose(set()).worker_id == "w0"
-    assert registry.choose({"w0"}) is None  # w1 and w2 have no room left
+    # By the count w1 has no room left either, but only its own answer says so (the count may hold
+    # a call its report already shows): it is asked. w2 reported no room and is not.
+    assert registry.workers["w1"].free == 0 and registry.choose({"w0"}).worker_id == "w1"
+    assert registry.choose({"w0", "w1"}) is None
+    registry.mark_full(registry.workers["w1"])  # it answered full
     registry.workers["w0"].state = "draining"
     assert registry.choose(set()) is None
     assert registry.capacity == 8 and registry.free == 0
@@ -294,7 +298,7 @@ async def test_a_fresh_report_replaces_what_the_entry_counted():
     await registry._poll(view)
     for _ in range(2):
         view.placements.begin().taken()
-    assert view.free == 0 and registry.choose(set()) is None
+    assert view.free == 0
     # One of the two calls ended at the worker before the next report: that report says so.
     handle.answers = [_status("w0", 1, capacity=2)]
     await registry._poll(view)
@@ -399,8 +403,41 @@ async def test_the_fleet_tries_the_next_worker_and_counts_what_it_placed():
     assert later.view is w1 and w1.placements.in_flight == 1  # the caller ends it
     later.placement.taken()
     assert w1.placements.in_flight == 0 and w1.placements.count == 2 and w1.free == 0
-    nothing = await fleet.on_a_worker(lambda view: _answer("call"), lambda a: False, lambda a: True)
+    # The count says w1 is full now, but its last report said 2 free: it is asked, and answers.
+    asked: list[str] = []
+
+    async def full_now(view):
+        asked.append(view.worker_id)
+        return "full"
+    nothing = await fleet.on_a_worker(full_now, lambda a: a == "full", lambda a: a == "call")
     assert isinstance(nothing, NoPlacement) and nothing.code == "server_full"
+    assert asked == ["w1"]  # w0 had answered full before: not asked again
+    asked.clear()
+    again = await fleet.on_a_worker(full_now, lambda a: a == "full", lambda a: a == "call")
+    assert isinstance(again, NoPlacement) and again.code == "server_full" and asked == []
+
+
+async def test_a_call_counted_twice_by_a_stale_report_is_not_refused_while_the_worker_has_room():
+    """A report requested before an answer but written after it shows the call the entry still
+    counts: by the count the worker is full, but it has a slot, and the next offer gets it."""
+    fleet = Fleet(load_settings(None, environ={}))
+    registry = fleet.registry
+    registry.http_alive = None  # the workers' HTTP ports are not checked here
+    handle = _Handle()
+    view = registry.add("w0", handle)
+    handle.answers = [_status("w0", 2, capacity=2)]
+    await registry._poll(view)
+    stale = asyncio.get_running_loop().create_future()
+    poll = await _poll_in_background(registry, view, stale)  # requested before the call
+    view.placements.begin().taken()  # the worker answered with a call
+    stale.set_result(_status("w0", 1, capacity=2))  # ... and ran the request after that: it shows it
+    await poll
+    assert view.free == 0 and view.placements.count == 1  # counted twice
+    placed = await fleet.on_a_worker(lambda v: _answer("call"), lambda a: a == "full", lambda a: a == "call")
+    assert not isinstance(placed, NoPlacement) and placed.view is view
+    handle.answers = [_status("w0", 0, capacity=2)]  # a fresh report: both calls, counted by the worker
+    await registry._poll(view)
+    assert view.placements.count == 0 and view.free == 0 and registry.choose(set()) is None
 
 
 async def _answer(value: str) -> str:

@@ -15,6 +15,10 @@ call existed by then. The entry therefore counts what it placed itself:
 A worker that answered "full" is taken as full the same way, until a report requested after
 that answer says otherwise.
 
+The count errs towards full: a stale report that the worker ran after the call was made shows the
+call, and the entry counts it once more. It therefore steers offers, and the refusal for want of
+room is the worker's (``Registry.choose``).
+
 "Before" and "after" are positions in one sequence of events of the entry's event loop (answers
 received, reports requested), not clock readings, so two events never tie.
 """

@@ -4,9 +4,10 @@ Every ``poll_interval_s`` the entry asks each worker for its status through Ray.
 not answer within ``status_timeout_s`` several polls in a row (its process died and Ray is
 restarting it, or its node is gone) is ``down`` and takes no calls; a refused health check or a
 forward that cannot connect marks it down at once. When it answers again with a new boot id, the
-sessions of its previous process are known to be gone and it takes calls again. The entry also counts the offers it placed that a worker's reports may not
-include yet (accounting.py), so a burst of offers does not all go to the worker that looked
-emptiest at the last poll.
+sessions of its previous process are known to be gone and it takes calls again. The entry also
+counts the offers it placed that a worker's reports may not include yet (accounting.py), so a burst
+of offers does not all go to the worker that looked emptiest at the last poll; only a worker's own
+answer refuses a call for want of room.
 """
 
 from __future__ import annotations
@@ -68,9 +69,15 @@ class WorkerView:
 
     @property
     def free(self) -> int:
+        """Free slots by the entry's count: the last report's, less what was placed since."""
+        return max(self.reported_free - self.placements.count, 0)
+
+    @property
+    def reported_free(self) -> int:
+        """Free slots as the worker's last report said, without what the entry placed since."""
         if self.state != "ready" or self.status is None or self.placements.full:
             return 0
-        return max(self.status["free"] - self.placements.count, 0)
+        return self.status["free"]
 
     @property
     def active(self) -> int:
@@ -112,11 +119,21 @@ class Registry:
     # --- choosing ----------------------------------------------------------------------------------
 
     def choose(self, exclude: set[str]) -> WorkerView | None:
-        """The least-loaded ready worker with a free slot (ties: most free slots, then id)."""
+        """The least-loaded ready worker with a free slot (ties: most free slots, then id).
+
+        The entry's count decides where an offer goes, never that it is refused: it may count a call
+        twice for a while (a report the worker wrote after answering an offer, but that was requested
+        before the answer, shows the call and is still not trusted to). So when the count leaves no
+        worker with room, a worker whose last report showed room is asked anyway; if it is full it
+        answers so, and is taken as full.
+        """
         candidates = [w for w in self.workers.values() if w.worker_id not in exclude and w.free > 0]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda w: (1 - w.free / w.capacity, -w.free, w.worker_id))
+        if candidates:
+            return min(candidates, key=lambda w: (1 - w.free / w.capacity, -w.free, w.worker_id))
+        unsure = [w for w in self.workers.values() if w.worker_id not in exclude and w.reported_free > 0]
+        if unsure:
+            return min(unsure, key=lambda w: (w.placements.count - w.reported_free, w.worker_id))
+        return None
 
     def choose_any(self, exclude: set[str]) -> WorkerView | None:
         """A ready worker for a request that takes no slot (minting a key): the least loaded, full or not."""
