@@ -15,6 +15,7 @@ from conftest import wait_until
 
 REC_RATE = 48000
 FRAME = REC_RATE // 50  # one 20 ms frame
+BLOCK = FRAME // 4  # what last_sound_before reads in
 
 
 def decode(data: bytes) -> np.ndarray:
@@ -43,6 +44,15 @@ def lag_of(reference: np.ndarray, other: np.ndarray, hop: int = 48) -> int:
     return (k if k < n // 2 else k - n) * hop
 
 
+def waveform_lag_of(reference: np.ndarray, other: np.ndarray) -> int:
+    """Samples by which ``other`` lags ``reference``, to the sample (for one codec's audio against
+    another's decoding of the same PCM, where the waveforms still match)."""
+    n = 1 << int(np.ceil(np.log2(len(reference) + len(other))))
+    corr = np.fft.irfft(np.fft.rfft(other, n) * np.conj(np.fft.rfft(reference, n)), n)
+    k = int(np.argmax(corr))
+    return k if k < n // 2 else k - n
+
+
 def correlation_at(reference: np.ndarray, other: np.ndarray, lag: int, hop: int = 480) -> float:
     """Normalised correlation of 10 ms envelopes with ``other`` shifted back by ``lag``."""
     if lag >= 0:
@@ -54,7 +64,7 @@ def correlation_at(reference: np.ndarray, other: np.ndarray, lag: int, hop: int 
     return float(np.corrcoef(a, b)[0, 1])
 
 
-def last_sound_before(x: np.ndarray, end: int, threshold: float = 0.003, hop: int = FRAME // 4) -> int:
+def last_sound_before(x: np.ndarray, end: int, threshold: float = 0.003, hop: int = BLOCK) -> int:
     """Sample just past the last ``hop`` block (5 ms at 48 kHz) above ``threshold`` RMS before ``end``."""
     rms = block_rms(x[:end], hop)
     loud = np.flatnonzero(rms > threshold)

@@ -13,8 +13,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from conftest import PATIENT_WINDOWS, running_server, wait_until
-from recording_support import (FRAME, REC_RATE, correlation_at, decode, fetch_recording, lag_of,
-                               last_sound_before)
+from recording_support import (BLOCK, FRAME, REC_RATE, correlation_at, decode, fetch_recording, lag_of,
+                               last_sound_before, waveform_lag_of)
 
 from lychee_rtc.bench.client import RATE, RtcClient
 from lychee_rtc.bench.server_process import spawned_server
@@ -50,13 +50,16 @@ async def test_a_webrtc_call_with_a_barge_in_is_recorded_as_heard(tmp_path, long
     caller, agent = audio[:, 0], audio[:, 1]
     heard = client.received.signal(0)
     # The agent channel is what the client received, on the recording's clock.
-    lag = lag_of(heard, agent)
+    lag = waveform_lag_of(heard, agent)
     assert correlation_at(heard, agent, lag) > 0.9
-    # The cut is where the client heard the first answer stop, within one frame.
+    # The cut is where the client heard the first answer stop. The recording's Opus (32 kb/s for
+    # both channels) smears a hard cut over up to one of its 20 ms frames (4 to 20 ms above the
+    # threshold in runs on an idle machine, where the call's own Opus stops within a block), so the
+    # recorded stop may come that much later, read in 5 ms blocks.
     client_stop = last_sound_before(heard, second["sample_offset"])
     assert client_stop > first["sample_offset"]
     recorded_stop = last_sound_before(agent, second["sample_offset"] + lag)
-    assert abs(recorded_stop - (client_stop + lag)) <= FRAME, (recorded_stop, client_stop + lag)
+    assert -BLOCK <= recorded_stop - (client_stop + lag) <= FRAME + 2 * BLOCK, (recorded_stop, client_stop + lag)
     # Nothing of the cut answer after it: silence until the second answer starts.
     gap = agent[recorded_stop + FRAME:second["sample_offset"] + lag - FRAME]
     assert len(gap) and np.max(np.abs(gap)) < 0.01
