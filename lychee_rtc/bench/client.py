@@ -112,6 +112,20 @@ class ReceivedAudio:
         """Stream position just past the latest sample received (0 before any)."""
         return max((off + len(pcm) for off, pcm, _ in self.chunks[-50:]), default=0)
 
+    def arrived(self, start: int = 0, end: int | None = None) -> int:
+        """How many samples of stream positions ``[start, end)`` arrived: less than the span where
+        the sender skipped slots (a stall) or packets were lost."""
+        end = self.end if end is None else end
+        return sum(max(0, min(off + len(pcm), end) - max(off, start)) for off, pcm, _ in self.chunks)
+
+    def joined(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """What arrived for ``[start, end)`` in stream order, the gaps between chunks closed: the
+        audio itself, for comparing content (``signal`` keeps the timing, gaps as silence)."""
+        end = self.end if end is None else end
+        parts = [pcm[max(off, start) - off:min(off + len(pcm), end) - off]
+                 for off, pcm, _ in sorted(self.chunks, key=lambda c: c[0]) if off < end and off + len(pcm) > start]
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
     def signal(self, start: int = 0, end: int | None = None) -> np.ndarray:
         if not self.chunks:
             return np.zeros(0, np.float32)
@@ -296,6 +310,12 @@ class RtcClient:
     async def wait_audio(self, offset: int, timeout: float = 60.0) -> None:
         """Until downlink audio up to stream position ``offset`` (at 48 kHz) has arrived."""
         await self._poll(lambda: self.received.end >= offset, timeout, f"downlink audio up to sample {offset}")
+
+    async def wait_arrived(self, start: int, samples: int, timeout: float = 60.0) -> None:
+        """Until ``samples`` samples of downlink audio from stream position ``start`` on have arrived
+        (``wait_audio`` counts stream positions, which a sender's skipped slots advance too)."""
+        await self._poll(lambda: self.received.arrived(start) >= samples, timeout,
+                         f"{samples} downlink samples from position {start}")
 
     async def wait_sent(self, samples: int, timeout: float = 60.0) -> None:
         """Until the microphone has sent ``samples`` samples in all (the uplink's own clock)."""
