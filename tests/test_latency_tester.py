@@ -150,9 +150,11 @@ async def test_the_levers_bench_puts_10_ms_packets_on_the_wire_both_ways():
     default, both = LEVERS[0], next(lever for lever in LEVERS if lever.name == "10 ms packets both ways")
     rows = await measure_levers(PageRun(probes=4, interval_ms=300), rounds=1, levers=[default, both])
     by_name = {row["lever"]: row for row in rows}
-    for name, ms in ((default.name, 20), (both.name, 10)):  # the wall-clock duration over a packet count
-        assert by_name[name]["uplink_packet_ms"] == pytest.approx(ms, abs=1.5), by_name[name]
-        assert by_name[name]["downlink_packet_ms"] == pytest.approx(ms, abs=1.5), by_name[name]
+    # The duration between two stats reports over the packets counted in it: a second or two, in
+    # which a stall of a busy machine leaves packets unsent, so the bound only tells 10 from 20 ms.
+    for name, ms in ((default.name, 20), (both.name, 10)):
+        assert by_name[name]["uplink_packet_ms"] == pytest.approx(ms, rel=0.25), by_name[name]
+        assert by_name[name]["downlink_packet_ms"] == pytest.approx(ms, rel=0.25), by_name[name]
     for row in rows:
         assert row["calls"] == 1 and row["heard"] >= 2 and row["server_cpu_percent"] > 0, row
     assert both.name in levers_table(rows)

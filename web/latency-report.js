@@ -82,10 +82,13 @@ export function inboundCounters(report) {
 /** The RTP counters a run's transport summary is taken from, both directions. */
 export function transportCounters(report) {
   const pick = (s, keys) => (s ? Object.fromEntries(keys.map((k) => [k, s[k] ?? 0])) : null);
+  const out = audioStats(report, "outbound-rtp");
+  const inbound = audioStats(report, "inbound-rtp");
   return {
-    t: performance.now(),
-    out: pick(audioStats(report, "outbound-rtp"), ["packetsSent", "bytesSent", "headerBytesSent"]),
-    in: pick(audioStats(report, "inbound-rtp"), ["packetsReceived", "bytesReceived", "headerBytesReceived"]),
+    // When the browser read the counters, not when the page got them (a busy main thread is late).
+    t: (out ?? inbound)?.timestamp ?? null,
+    out: pick(out, ["packetsSent", "bytesSent", "headerBytesSent"]),
+    in: pick(inbound, ["packetsReceived", "bytesReceived", "headerBytesReceived"]),
   };
 }
 
@@ -94,7 +97,7 @@ export function transportCounters(report) {
  * time costs on the wire (RTP payload and header; UDP/IP and SRTP overhead come on top).
  */
 export function transportSummary(first, last) {
-  if (!first || !last || last.t <= first.t) return null;
+  if (!first || !last || first.t === null || last.t === null || last.t <= first.t) return null;
   const seconds = (last.t - first.t) / 1000;
   const direction = (a, b, packets, payload, header) => {
     if (!a || !b) return null;
