@@ -122,8 +122,8 @@ class Registry:
         """The least-loaded ready worker with a free slot (ties: most free slots, then id).
 
         The entry's count decides where an offer goes, never that it is refused: it may count a call
-        twice for a while (a report the worker wrote after answering an offer, but that was requested
-        before the answer, shows the call and is still not trusted to). So when the count leaves no
+        twice for a while (a report requested before the worker answered an offer, but written after,
+        shows the call, and cannot be told from one that does not). So when the count leaves no
         worker with room, a worker whose last report showed room is asked anyway; if it is full it
         answers so, and is taken as full.
         """
