@@ -5,8 +5,9 @@ it sits in the uplink stream and where it comes back in the downlink stream. The
 paced by the server's clock, so any delay the path keeps shows up as a larger distance.
 
 Each phase is summed up by its second-least distance: a delay the path keeps raises every chirp
-after it, while a passing stall of a busy test machine raises only some of them, and a chirp-like
-sound (concealment after a burst) can be detected once where no chirp was sent.
+after it, while a passing stall of a busy test machine raises only some of them; and on a busy
+machine one detection has come earlier than any chirp can come back (a chirp-like sound where none
+was sent), so the least alone is not trusted.
 """
 
 from __future__ import annotations
