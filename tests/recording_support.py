@@ -34,16 +34,6 @@ def block_rms(x: np.ndarray, hop: int = FRAME // 4) -> np.ndarray:
     return np.sqrt(np.mean(x[:n * hop].reshape(n, hop) ** 2, axis=1))
 
 
-def lag_of(reference: np.ndarray, other: np.ndarray, hop: int = 48) -> int:
-    """Samples by which ``other`` lags ``reference`` (1 ms envelope cross-correlation)."""
-    a, b = block_rms(reference, hop), block_rms(other, hop)
-    a, b = a - a.mean(), b - b.mean()
-    n = 1 << int(np.ceil(np.log2(len(a) + len(b))))
-    corr = np.fft.irfft(np.fft.rfft(b, n) * np.conj(np.fft.rfft(a, n)), n)
-    k = int(np.argmax(corr))
-    return (k if k < n // 2 else k - n) * hop
-
-
 def waveform_lag_of(reference: np.ndarray, other: np.ndarray) -> int:
     """Samples by which ``other`` lags ``reference``, to the sample (for one codec's audio against
     another's decoding of the same PCM, where the waveforms still match)."""
@@ -51,6 +41,12 @@ def waveform_lag_of(reference: np.ndarray, other: np.ndarray) -> int:
     corr = np.fft.irfft(np.fft.rfft(other, n) * np.conj(np.fft.rfft(reference, n)), n)
     k = int(np.argmax(corr))
     return k if k < n // 2 else k - n
+
+
+def lag_of(reference: np.ndarray, other: np.ndarray, hop: int = 48) -> int:
+    """Samples by which ``other`` lags ``reference`` (1 ms envelope cross-correlation)."""
+    a, b = block_rms(reference, hop), block_rms(other, hop)
+    return waveform_lag_of(a - a.mean(), b - b.mean()) * hop
 
 
 def correlation_at(reference: np.ndarray, other: np.ndarray, lag: int, hop: int = 480) -> float:
