@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Iterable
+
+log = logging.getLogger(__name__)
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
@@ -21,3 +25,19 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
         return bool(done)
     finally:
         waiter.cancel()
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task | None], timeout: float) -> bool:
+    """Cancel ``tasks`` (None and the current task skipped) and wait up to ``timeout`` s for them to
+    end; True when all did. What they raised while ending is retrieved here (logged at DEBUG), so
+    no cancelled task is left pending or with an exception nobody read."""
+    current = asyncio.current_task()
+    pending = [t for t in dict.fromkeys(tasks) if t is not None and t is not current and not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
+    for task in pending:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            log.debug("task %s ended with %r while being cancelled", task.get_name(), task.exception())
+    return all(t.done() for t in pending)

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lychee_rtc.resources import shared_path, shipped_profile
+from lychee_rtc.strict_text import control_characters
 
 ENV_PREFIX = "LYCHEE_RTC_"
 DEFAULT_PROFILE = shared_path("configs") / "echo.yaml"
@@ -28,6 +29,18 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _one_line(cls, value: Any) -> Any:
+        """No setting is multi-line text: a control character (CR, LF, NUL, ...) in one would reach a
+        SIP message (Janus), an HTTP header (ICE servers' Link, CORS) or a URL as it is."""
+        texts = value if isinstance(value, list) else list(value.items()) if isinstance(value, dict) else [value]
+        for text in texts:
+            for part in text if isinstance(text, tuple) else (text,):
+                if isinstance(part, str) and (bad := control_characters(part)):
+                    raise ValueError(f"contains control characters ({', '.join(bad)})")
+        return value
 
 
 class IceServer(_Section):
@@ -64,8 +77,11 @@ class ServerSettings(_Section):
     auth_token: str | None = None
     web_root: Path | None = None  # defaults to the web client shipped with the server
     max_sdp_bytes: int = Field(64 * 1024, ge=1024)
-    # At shutdown, calls get this long to close cleanly (final event, slot released); then forced.
+    # SIGTERM to exit: calls close cleanly (final event, slot released, recording finished) within
+    # this, then are forced; waits on clients (bodies, WebSockets) end at once or by then.
     shutdown_grace_s: float = Field(5.0, gt=0, le=300)
+    # A request body must arrive within this (408 after): a client that sends half a body holds nothing.
+    body_timeout_s: float = Field(10.0, gt=0, le=300)
 
 
 class RtcSettings(_Section):
@@ -309,7 +325,7 @@ class JanusGatewaySettings(_Section):
         for key, target in self.transfer_keys.items():
             if len(key) != 1 or key.upper() not in "0123456789*#ABCD":
                 raise ValueError(f"gateway.janus.transfer_keys: {key!r} is not a keypad key")
-            if not re.match(r"^(sips?:[^@\s<>\"]+@[^\s<>\"]+|tel:\+?[0-9*#][0-9*#().-]*)$", target):
+            if not re.fullmatch(r"sips?:[^@\s<>\"]+@[^\s<>\"]+|tel:\+?[0-9*#][0-9*#().-]*", target):
                 raise ValueError(f"gateway.janus.transfer_keys[{key!r}]: {target!r} is not a sip: or tel: URI")
         if self.hold_audio is not None and not self.hold_audio.is_file():
             raise ValueError(f"gateway.janus.hold_audio {str(self.hold_audio)!r} is not a file")

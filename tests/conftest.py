@@ -18,11 +18,18 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from log_guard import guard_logs  # noqa: F401 (autouse: every test's log is checked)
 from strict import CUDA_REASON_PREFIX, allowed_in_ci, in_ci
 
 from lychee_rtc.config import load_settings
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.server.app import create_app
+from lychee_rtc.server.lifecycle import HANDLER_DRAIN_S
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "allowed_logs(*patterns): log lines this test causes on purpose "
+                            "(regular expressions; tests/log_guard.py fails a test on any other error)")
 
 
 # --- no passing by skipping (tests/strict.py) -----------------------------------------------------
@@ -158,7 +165,7 @@ async def running_server(config: str = "configs/echo.yaml", **overrides: Any) ->
         merged.setdefault(section, {}).update(values)
     settings = load_settings(config, environ={}, overrides=merged)
     app = create_app(settings)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=HANDLER_DRAIN_S)  # as `lychee-rtc serve` runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()

@@ -15,6 +15,10 @@ from lychee_rtc.bench.carrier import CarrierEmulator
 from lychee_rtc.telephony.auth import TELNYX_TOKEN, TWILIO_SIGNATURE
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telephony"
+# The application's server key: a carrier's call holds no client secret, so its event stream opens
+# with the server key only, in every mode (docs/reliability.md, routes).
+APP_KEY = "app-token"
+APP_AUTH = {"Authorization": f"Bearer {APP_KEY}"}
 PROVIDERS = ("twilio", "telnyx", "plivo", "exotel", "vonage")
 CREDENTIALS = {
     "twilio": {"auth_token": "twilio-auth-token"},
@@ -62,7 +66,7 @@ class EventStream:
 
     def __init__(self, http_url: str, call: str, headers: dict[str, str] | None = None) -> None:
         self.url = f"{http_url.replace('http://', 'ws://')}/v1/telephony/calls/{call}/events"
-        self.headers = headers or {}
+        self.headers = APP_AUTH if headers is None else headers
         self.events: list[dict[str, Any]] = []
         self.arrivals: list[float] = []
         self.closed = asyncio.Event()
@@ -142,7 +146,8 @@ async def until(condition, timeout: float = 30.0, what: str = "condition") -> No
 
 
 async def get_json(http_url: str, path: str, method: str = "GET") -> tuple[int, Any]:
+    """As the application (with APP_KEY, which the phone servers of these tests have)."""
     async with aiohttp.ClientSession() as http:
-        async with http.request(method, http_url + path) as resp:
+        async with http.request(method, http_url + path, headers=APP_AUTH) as resp:
             body = await resp.read()
             return resp.status, (json.loads(body) if body and resp.content_type == "application/json" else None)

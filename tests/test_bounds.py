@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 
 from lychee_rtc.config import EchoSettings
 from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
@@ -28,6 +29,7 @@ class FailingEcho(EchoBackend):
         raise RuntimeError("device lost")
 
 
+@pytest.mark.allowed_logs('engine step failed')
 async def test_controls_of_failed_steps_do_not_pile_up():
     engine = Engine(FailingEcho(EchoSettings(), max_sessions=1))
     await engine.start()

@@ -244,6 +244,7 @@ async def test_a_worker_ray_is_restarting_stays_down_however_long_it_takes():
     assert view.state == "ready" and view.restarts == 1
 
 
+@pytest.mark.allowed_logs('worker w0 is dead: RuntimeError: actor died')
 async def test_a_worker_ray_gave_up_on_is_dead():
     registry = _registry()
     handle = _Handle()

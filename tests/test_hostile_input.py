@@ -114,6 +114,7 @@ async def test_a_bundle_group_naming_a_missing_mid_is_a_400(echo_server):
         await pc.close()
 
 
+@pytest.mark.allowed_logs(r"RTCPeerConnection\.__connect\(\)")
 async def test_abandoning_a_half_negotiated_peer_connection_is_safe():
     client, sdp = await bundle_offer_naming_a_missing_mid()
     pc = RTCPeerConnection()

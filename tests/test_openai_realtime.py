@@ -210,8 +210,8 @@ async def test_client_secrets_open_calls_only_until_they_expire():
                 assert resp.status == 401
             async with http.get(f"{url}/v1/sessions", headers=ek) as resp:
                 assert resp.status == 401
-            async with http.get(f"{url}/v1/realtime?call_id=x", headers=ek) as resp:
-                assert resp.status == 401
+            async with http.post(f"{url}/v1/realtime/client_secrets", json=mint, headers=AUTH) as resp:
+                other = {"Authorization": f"Bearer {(await resp.json())['value']}"}  # a second browser's key
             too_long = {"session": {"type": "realtime", "instructions": "".join(
                 f"{i:x}" for i in range(3000)) + "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(4000))}}
             for bad, code in [({"expires_after": {"seconds": 5}}, "invalid_value"),
@@ -227,9 +227,18 @@ async def test_client_secrets_open_calls_only_until_they_expire():
         try:
             created = await client.wait_event("session.created")
             assert created["session"]["instructions"] == "Be kind."
+            # The key that opened the call opens it (it is the call's credential, like its token);
+            # another key, even a valid one, opens nothing of it.
             async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/realtime?call_id={call_id}", headers=other) as resp:
+                    assert resp.status == 401
+                async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=other) as resp:
+                    assert resp.status == 401
+                async with http.get(f"{url}/v1/sessions/{call_id}", headers=ek) as resp:
+                    assert resp.status == 200
                 async with http.post(f"{url}/v1/realtime/calls/{call_id}/hangup", headers=ek) as resp:
-                    assert resp.status == 401  # hanging up is the application server's, with its key
+                    assert resp.status == 200
+            assert call_id not in app[REGISTRY_KEY].calls  # the hang-up returns once the call has ended
         finally:
             await client.close()
 
@@ -332,14 +341,17 @@ async def test_keyless_server_is_open_on_loopback_and_closed_beyond_it():
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{url}/v1/realtime/client_secrets", json={}) as resp:
                 assert resp.status == 200 and (await resp.json())["value"].startswith("ek_")
-    # Listening on every interface without a key: no keys are minted and no sideband is opened.
+    # Listening on every interface without a key: no keys are minted and no list of sessions is shown;
+    # a call's sideband, as in every mode, needs the call's own secret.
     async with running_server(server={"host": "0.0.0.0"}) as (url, _):
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{url}/v1/realtime/client_secrets", json={}) as resp:
                 assert resp.status == 403 and (await resp.json())["error"]["code"] == "server_key_required"
                 check_response(SECRETS, "POST", resp.status, resp.headers, await resp.read())
-            async with http.get(f"{url}/v1/realtime?call_id=x") as resp:
+            async with http.get(f"{url}/v1/sessions") as resp:
                 assert resp.status == 403
+            async with http.get(f"{url}/v1/realtime?call_id=x") as resp:
+                assert resp.status == 401
                 check_response("/v1/realtime", "GET", resp.status, resp.headers, await resp.read())
 
 

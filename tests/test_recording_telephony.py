@@ -11,7 +11,7 @@ import time
 import numpy as np
 from conftest import wait_until
 from recording_support import correlation_at, fetch_recording, lag_of, last_sound_before
-from telephony_support import EventStream, carrier, spec
+from telephony_support import APP_AUTH, EventStream, carrier, spec
 from test_telephony import at_rate, phone_server, silence
 
 from lychee_rtc.pcm import PcmResampler
@@ -65,7 +65,7 @@ async def test_a_phone_call_with_a_barge_in_is_recorded_as_the_caller_heard_it(t
             await talk
             await phone.hang_up()
             await events.wait("session.closed", timeout=20)
-            audio, sidecar = await fetch_recording(url, session_id, {})
+            audio, sidecar = await fetch_recording(url, session_id, APP_AUTH)  # a carrier call: the server key
         finally:
             await events.close()
             await phone.close()

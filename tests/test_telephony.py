@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import running_server, synthesize
 from telephony_support import (
+    APP_KEY,
     CREDENTIALS,
     PROVIDERS,
     EventStream,
@@ -52,8 +53,11 @@ def silence(rate: int, seconds: float) -> np.ndarray:
 
 
 def phone_server(**overrides):
+    """A server that takes carrier calls, with the application's server key (APP_KEY): the key that
+    opens a carrier call's event stream."""
     telephony = {**TELEPHONY, **overrides.pop("telephony", {})}
-    return running_server(telephony=telephony, **overrides)
+    server = {"auth_token": APP_KEY, **overrides.pop("server", {})}
+    return running_server(telephony=telephony, server=server, **overrides)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -251,7 +255,7 @@ async def _refused_status(url: str, headers: dict[str, str]) -> int | None:
 
 
 async def test_callers_without_valid_credentials_are_refused_before_any_audio(short_utterance):
-    async with phone_server(server={"auth_token": "app-token"}) as (url, app):
+    async with phone_server() as (url, app):
         ws = media_url(url)
         assert await _refused_status(ws, {}) is None  # Plivo is configured: it may prove itself in start
         async with phone_server(telephony={"plivo": {"token": None}}) as (url2, _):
@@ -279,7 +283,7 @@ async def test_callers_without_valid_credentials_are_refused_before_any_audio(sh
             assert telnyx_as_twilio.log.close_code == 1008
         finally:
             await telnyx_as_twilio.close()
-        status, body = await get_json_auth(url, "/v1/sessions", "app-token")
+        status, body = await get_json_auth(url, "/v1/sessions", APP_KEY)
         assert status == 200 and body["sessions"] == []
         # The application's event stream takes the server's bearer token, not a carrier's.
         events_url = f"{url.replace('http://', 'ws://')}/v1/telephony/calls/anything/events"

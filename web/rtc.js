@@ -189,8 +189,9 @@ export class RtcCall {
       const old = this.pc;
       setTimeout(() => old?.close(), 0);
       try {
-        const resume = { session_id: this.sessionId, session_token: this.sessionToken, last_seq: this.lastSeq };
-        const answer = await this.#negotiate({ resume }, {});
+        // The session's own token is the credential, sent before anything else is read.
+        const resume = { session_id: this.sessionId, last_seq: this.lastSeq };
+        const answer = await this.#negotiate({ resume }, { Authorization: `Bearer ${this.sessionToken}` });
         if (!answer || this.closed) return;
         await this.pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
         this.reconnecting = false;

@@ -201,8 +201,11 @@ class RtcClient:
             body["session"] = session
         if resume is not None:
             body["resume"] = resume
+        # A resume presents the session's own token (the server key is not needed for it).
+        bearer = resume.get("session_token") if resume is not None else None
+        bearer = bearer or self.auth_token
         async with aiohttp.ClientSession() as http:
-            headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
+            headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
             async with http.post(f"{self.base_url}/v1/rtc/offer", json=body, headers=headers) as resp:
                 data = await resp.json()
                 if resp.status != 200:

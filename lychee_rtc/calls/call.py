@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Protocol
 
+from lychee_rtc.calls.tokens import Opener
 from lychee_rtc.media.playout import PlayoutCounters
 from lychee_rtc.session.session import DuplexSession
 
@@ -30,10 +31,17 @@ class Call(Protocol):
     suspended_at: float | None
     suspend_reason: str | None
     resuming: bool  # a new transport is being attached right now
+    # When the media path was first lost, until a new one connects: a resume that never connects
+    # does not restart the resume window.
+    path_lost_at: float | None
 
     @property
     def resumable(self) -> bool:
-        """Whether a lost media path may be replaced: if not, losing it ends the call."""
+        """Whether a lost media path may be replaced (its client holds a token to resume with): if
+        not, losing it ends the call at once."""
+
+    def opener(self) -> Opener:
+        """What opens this session's resources besides the server key (calls.tokens)."""
 
     def connect_started_at(self) -> float:
         """When the current transport began connecting: the connect timeout counts from here."""

@@ -17,6 +17,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
+from lychee_rtc.aio import cancel_and_wait
 from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.metrics import CallMetrics
 from lychee_rtc.calls.recording import CallRecording
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 WATCHDOG_PERIOD_S = 0.25
 # A call forced closed at the end of the shutdown grace gets this long to close its transport.
 FORCED_CLOSE_S = 1.0
+# A call's own tasks, cancelled when it ends, get this long to finish.
+TASK_END_S = 1.0
 
 
 class CallRegistry:
@@ -144,8 +147,9 @@ class CallRegistry:
         self.metrics.active_sessions.set(len(self.calls))
         session.on_close = lambda reason: self._teardown(call, reason)
         if self.recordings is not None:
-            # A WHIP client holds no session token: its resource id is its secret, and opens its recording.
-            secret = getattr(call, "whip_resource", None) or call.token
+            # The first secret its client holds (a WHIP client's is its resource id) opens its recording.
+            secrets = call.opener().secrets
+            secret = secrets[0] if secrets else None
             recording = CallRecording(self.recordings, self.settings.recording, session, secret,
                                       call.snapshot().get("transport", "unknown"))
             session.recording = self.recording_of[session.id] = recording
@@ -172,7 +176,10 @@ class CallRegistry:
                         await self.close(session.id, call.suspend_reason or "connection_lost")
                 elif call.connected_at is None:
                     if now - call.connect_started_at() > s.connect_timeout_s:
-                        await self.lose_path(call, "connect_timeout")
+                        if call.path_lost_at is None:  # it never connected: there is no path to resume
+                            await self.close(session.id, "connect_timeout")
+                        else:  # a resume's new path that never connected: the first loss's window goes on
+                            await self.lose_path(call, "connect_timeout")
                 elif session.on_hold:  # a held caller's phone may send nothing at all
                     continue
                 elif now - max(session.last_audio_at or 0.0, call.connected_at) > s.media_timeout_s:
@@ -181,18 +188,19 @@ class CallRegistry:
             pass
 
     async def lose_path(self, call: Call, reason: str) -> None:
-        """The media path is gone: hold the session for ``session.resume_window_s``, or close it."""
+        """The media path is gone: hold the session for ``session.resume_window_s`` (counted from the
+        first loss) when its client can resume it, else close it at once: a slot is never held for
+        a resume that cannot come."""
         session = call.session
-        if not call.resumable:
-            await self.close(session.id, reason)
-            return
         if session.closed or call.suspended_at is not None:
             return
-        if self.settings.session.resume_window_s <= 0 or self.closing or call.token is None:
+        if not call.resumable or self.settings.session.resume_window_s <= 0 or self.closing:
             await self.close(session.id, reason)
             return
-        call.suspended_at, call.suspend_reason = time.monotonic(), reason
-        log.info("session %s: media path lost (%s); it may resume within %.0f s", session.id, reason,
+        if call.path_lost_at is None:
+            call.path_lost_at = time.monotonic()
+        call.suspended_at, call.suspend_reason = call.path_lost_at, reason
+        log.info("session %s: media path lost (%s); it may resume within %.0f s of the loss", session.id, reason,
                  self.settings.session.resume_window_s)
         session.suspend(reason)
         await call.drop_path()
@@ -246,10 +254,9 @@ class CallRegistry:
         log.info("session %s closed: %s", call.session.id, reason)
         self._fold_counters(call)
         self.metrics.active_sessions.set(len(self.calls))
-        current = asyncio.current_task()
-        for task in [*call.tasks, call.watchdog]:
-            if task is not None and task is not current:
-                task.cancel()
+        # The transport's tasks (its inbound audio reader above all) end before it closes: owned and
+        # awaited, never left pending for the collector.
+        await cancel_and_wait([*call.tasks, call.watchdog], TASK_END_S)
         await call.close_transport()
         for callback in call.on_closed:
             try:
@@ -259,13 +266,18 @@ class CallRegistry:
             except Exception:  # one listener's failure must not keep the others from hearing
                 log.exception("session %s: close listener failed", call.session.id)
 
-    async def close_all(self, reason: str) -> None:
-        """Close every call within ``server.shutdown_grace_s``; calls still open then are torn down."""
+    async def close_all(self, reason: str, deadline: float | None = None) -> None:
+        """Close every call by ``deadline`` (loop time; by default ``server.shutdown_grace_s`` from now).
+
+        Each call closes cleanly (its final event, its slot, its recording) while there is time; the
+        calls still open near the deadline are torn down together, each transport given what is left."""
         self.closing = True
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.server.shutdown_grace_s
-        while (self.calls or self._reserved) and loop.time() < deadline:
-            remaining = deadline - loop.time()
+        if deadline is None:
+            deadline = loop.time() + self.settings.server.shutdown_grace_s
+        graceful_until = deadline - min(FORCED_CLOSE_S, max(0.0, deadline - loop.time()) / 2)
+        while (self.calls or self._reserved) and loop.time() < graceful_until:
+            remaining = graceful_until - loop.time()
             # Each close is awaited as a task: a call that is already closing is waited for (not
             # skipped in a loop that never yields, which would starve the teardown it waits on).
             closing = [asyncio.ensure_future(self.close(session_id, reason)) for session_id in list(self.calls)]
@@ -273,21 +285,22 @@ class CallRegistry:
                 await asyncio.wait(closing, timeout=remaining)
             else:  # offers still being answered: they are closed as soon as they finish
                 await asyncio.sleep(min(0.05, remaining))
-        for call in list(self.calls.values()):
-            log.warning("session %s did not close within %.1f s of shutdown: forcing it",
-                        call.session.id, self.settings.server.shutdown_grace_s)
-            await self._force_teardown(call, reason)
+        stuck = list(self.calls.values())
+        for call in stuck:
+            log.warning("session %s did not close within the shutdown grace: forcing it", call.session.id)
+        if stuck:
+            left = max(0.05, deadline - loop.time())
+            await asyncio.gather(*(self._force_teardown(call, reason, left) for call in stuck))
 
-    async def _force_teardown(self, call: Call, reason: str) -> None:
+    async def _force_teardown(self, call: Call, reason: str, timeout_s: float = FORCED_CLOSE_S) -> None:
         self._remove(call, reason)
         self.metrics.active_sessions.set(len(self.calls))
-        for task in [*call.tasks, call.watchdog]:
-            if task is not None:
-                task.cancel()
+        await cancel_and_wait([*call.tasks, call.watchdog], timeout_s)
         # The engine frees the slot when it stops; the transport gets a bounded chance to close.
         closing = asyncio.ensure_future(call.close_transport())
-        done, _ = await asyncio.wait([closing], timeout=FORCED_CLOSE_S)
+        done, _ = await asyncio.wait([closing], timeout=timeout_s)
         if not done:
             closing.cancel()
+            await asyncio.wait([closing], timeout=0.1)
         elif closing.exception() is not None:
             log.warning("session %s: transport failed to close: %r", call.session.id, closing.exception())

@@ -4,9 +4,13 @@
   worker with a free slot; its answer comes back unchanged (status, headers, body). A worker that
   turns out full or unreachable is skipped for the next one; when none has room the entry answers
   503 with ``Retry-After``.
-* Follow-ups (``/whip/{id}``, ``/v1/sessions/{id}``, ``/v1/realtime/calls/{id}/hangup``, the
-  sideband WebSocket ``/v1/realtime?call_id=``, a session's recording) go to the worker named in
-  the session id (a call id is a session id); a recording passes on as it arrives.
+* ``POST /v1/telephony/calls`` (a call placed through the SIP gateway) is placed like an offer.
+* Follow-ups (``/whip/{id}``, ``/v1/sessions/{id}``, ``/v1/realtime/calls/{id}/{verb}``, the
+  sideband WebSocket ``/v1/realtime?call_id=``, ``/v1/telephony/calls/{id}/...``, a session's
+  recording) go to the worker named in the id (session ids, call ids, WHIP resources and session
+  tokens carry it); a recording passes on as it arrives. The worker authenticates them, before it
+  reads their body, as a single server does; a resume whose bearer is a session token goes to that
+  token's worker without the entry reading its body.
 * ``POST /v1/realtime/client_secrets`` goes to any ready worker: keys are signed with the server key
   that every worker shares, so any worker accepts a key that another minted.
 * ``/readyz``, ``/metrics``, ``/v1/sessions`` and ``/v1/recordings`` describe the whole cluster; each worker keeps its
@@ -14,7 +18,9 @@
 * ``POST /v1/cluster/workers/{id}/drain`` is the rolling restart: the worker takes no new calls,
   ends after its calls or a deadline, and Ray starts a new process in its place.
 
-The entry holds no session state: any number of entries can front the same workers.
+The entry holds no session state: any number of entries can front the same workers. It serves
+every route a single server with the same profile serves (``tests/test_cluster_units.py`` compares
+the two tables), each declared in its route table with who may call it.
 """
 
 from __future__ import annotations
@@ -35,10 +41,15 @@ from lychee_rtc.cluster.proxy import (WorkerFailed, WorkerUnreachable, forward, 
                                       relay_websocket)
 from lychee_rtc.cluster.registry import WorkerView
 from lychee_rtc.config import Settings
+from lychee_rtc.calls.tokens import is_session_token
 from lychee_rtc.jsonio import JsonError, strict_json_loads
-from lychee_rtc.server import auth, http
-from lychee_rtc.server.app import SETTINGS_KEY, index, latency_page
+from lychee_rtc.server import auth, http, route_table
+from lychee_rtc.server.app import SETTINGS_KEY, index, latency_page, static_file
+from lychee_rtc.server.auth import Access
+from lychee_rtc.server.lifecycle import LIFECYCLE_KEY, Lifecycle, shutdown_deadline
 from lychee_rtc.server.openai import routes as realtime
+from lychee_rtc.server.openai.client_secrets import ClientSecrets, InvalidClientSecret, is_client_secret
+from lychee_rtc.server.route_table import ADMITTED_KEY, Body, Route
 
 FLEET_KEY = web.AppKey("fleet", Fleet)
 
@@ -58,19 +69,28 @@ async def _read(request: web.Request) -> bytes:
     return await http.read_body(request, _body_limit(request.app[SETTINGS_KEY]))
 
 
-def _admin(request: web.Request) -> web.Response | None:
-    """The server key, where one is configured (what a single server's middleware asks of its routes)."""
-    if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
-        return http.unauthorized()
-    return None
+# --- who may call what (checked by the HTTP edge before the handler) ----------------------------------
+
+CLIENT_SECRETS_KEY = web.AppKey("client_secrets", ClientSecrets)
 
 
-def _server_key_only(request: web.Request) -> web.Response | None:
-    """A route a single server opens with the server key only (hangup, sideband): refused here as
-    there, before the entry says anything about the call."""
-    if (denied := _admin(request)) is not None:
-        return denied
-    return realtime.needs_server_key(request.app[SETTINGS_KEY])
+async def admit_resume(request: web.Request) -> str | None:
+    """A session token as bearer: a resume, passed unread to the worker its token names (the worker
+    checks the token before it reads the body)."""
+    token = auth.bearer(request)
+    return token if is_session_token(token) and worker_of(token) is not None else None
+
+
+async def admit_client_secret(request: web.Request):
+    """An ``ek_`` key, checked here when the cluster has a server key (every process derives the
+    same signing key from it); without one each process signs with its own, so the worker judges."""
+    token = auth.bearer(request)
+    if token is None or not is_client_secret(token) or request.app[SETTINGS_KEY].server.auth_token is None:
+        return None
+    try:
+        return request.app[CLIENT_SECRETS_KEY].verify(token)
+    except InvalidClientSecret as exc:
+        return realtime.error(401, "invalid_client_secret", str(exc), headers={"WWW-Authenticate": "Bearer"})
 
 
 # --- new sessions ----------------------------------------------------------------------------------
@@ -95,6 +115,9 @@ async def place(request: web.Request) -> web.Response:
     """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
     fleet = request.app[FLEET_KEY]
     body = await _read(request)
+    token = request.get(ADMITTED_KEY)
+    if isinstance(token, str):  # a session token: a resume, to its session's worker
+        return await _forward_to_holder(request, body, (token, "session"))
     if (resumed := _resumed_session(request, body)) is not None:
         # A resume re-attaches a session where it lives (its engine slot, its context): not placed.
         return await _forward_to_holder(request, body, (resumed, "session"))
@@ -159,10 +182,10 @@ async def place_websocket(request: web.Request) -> web.StreamResponse:
 
 def _target(request: web.Request) -> tuple[str, str]:
     """The id a follow-up names and what the client calls it (a realtime call or a session)."""
-    if "call_id" in request.match_info:
-        return request.match_info["call_id"], "call"
-    if "session_id" in request.match_info:
-        return request.match_info["session_id"], "session"
+    for key, what in (("call_id", "call"), ("session_id", "session"), ("resource_id", "session"),
+                      ("call", "phone call")):
+        if key in request.match_info:
+            return request.match_info[key], what
     return request.query.get("call_id", ""), "call"
 
 
@@ -236,17 +259,8 @@ async def _from_holder(fleet: Fleet, view: WorkerView, session_id: str,
         return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
 
 
-async def routed_server_key(request: web.Request) -> web.Response:
-    """A hang-up: the server key is checked first, as a single server does, then it is routed."""
-    if (denied := _admin(request)) is not None:
-        return denied
-    return await routed(request)
-
-
 async def sideband(request: web.Request) -> web.StreamResponse:
     """The sideband WebSocket of a realtime call: relayed to the worker named in ``call_id``."""
-    if (denied := _server_key_only(request)) is not None:
-        return denied
     if not request.query.get("call_id"):
         return realtime.error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
     return await routed_websocket(request)
@@ -352,8 +366,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    if (denied := _admin(request)) is not None:
-        return denied
     fleet = request.app[FLEET_KEY]
     return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()],
                                "waiting": fleet.waiting})
@@ -368,8 +380,6 @@ def _worker_or_404(request: web.Request) -> WorkerView | web.Response:
 
 
 async def drain_worker(request: web.Request) -> web.Response:
-    if (denied := _admin(request)) is not None:
-        return denied
     view = _worker_or_404(request)
     if isinstance(view, web.Response):
         return view
@@ -412,50 +422,86 @@ async def worker_metrics(request: web.Request) -> web.Response:
 # --- application -----------------------------------------------------------------------------------
 
 
+FORWARDED = "as on a single server: the worker holding the session checks it"
+
+
+def _routes(settings: Settings) -> list[Route]:
+    """The entry's routes: a single server's (the same profile's) and the cluster's own."""
+    body = Body(("application/json", "application/sdp", "multipart/form-data"), _body_limit(settings))
+    json_body = Body(("application/json",), _body_limit(settings))
+
+    def forwarded(method: str, path: str, handler, websocket: bool = False) -> Route:
+        return Route(method, path, handler, Access.SESSION, forwarded=True, opened_by=FORWARDED, websocket=websocket)
+
+    routes = [
+        Route("POST", "/v1/rtc/offer", place, Access.CREATE, body, admit=admit_resume,
+              admits="a session's own token (a resume, passed to its worker)"),
+        Route("POST", "/whip", place, Access.CREATE, body),
+        forwarded("PATCH", "/whip/{resource_id}", routed),
+        forwarded("DELETE", "/whip/{resource_id}", routed),
+        Route("GET", "/v1/sessions", list_sessions, Access.ADMIN),
+        forwarded("GET", "/v1/sessions/{session_id}", routed),
+        forwarded("DELETE", "/v1/sessions/{session_id}", routed),
+        Route("GET", "/v1/recordings", list_recordings, Access.ADMIN),
+        forwarded("GET", "/v1/sessions/{session_id}/recording", routed_recording),
+        forwarded("GET", "/v1/sessions/{session_id}/recording/events", routed_recording),
+        forwarded("DELETE", "/v1/sessions/{session_id}/recording", routed_recording),
+        Route("POST", realtime.CALLS_PATH, place, Access.CREATE, body, admit=admit_client_secret,
+              admits="an ek_ client key", error=realtime.error),
+        *(forwarded("POST", f"{realtime.CALLS_PATH}/{{call_id}}/{verb}", routed)
+          for verb in ("hangup", "accept", "reject", "refer")),
+        Route("POST", "/v1/realtime/client_secrets", any_worker, Access.ADMIN, json_body, error=realtime.error),
+        forwarded("GET", "/v1/realtime", sideband, websocket=True),
+    ]
+    if settings.gateway.janus.enabled:
+        routes += [Route("POST", "/v1/telephony/calls", place, Access.CREATE, json_body),
+                   forwarded("GET", "/v1/telephony/calls/{call}", routed),
+                   forwarded("DELETE", "/v1/telephony/calls/{call}", routed),
+                   *(forwarded("POST", f"/v1/telephony/calls/{{call}}/{verb}", routed)
+                     for verb in ("transfer", "consult", "hold", "unhold"))]
+    if settings.telephony.enabled:
+        routes += [Route("GET", "/v1/telephony/ws", place_websocket, Access.CARRIER, websocket=True),
+                   Route("GET", "/v1/telephony/ws/{provider}", place_websocket, Access.CARRIER, websocket=True)]
+    if settings.telephony.enabled or settings.gateway.janus.enabled:
+        routes.append(forwarded("GET", "/v1/telephony/calls/{call}/events", routed_websocket, websocket=True))
+    routes += [
+        Route("GET", "/healthz", healthz, Access.OPEN),
+        Route("GET", "/readyz", readyz, Access.OPEN),
+        Route("GET", "/metrics", metrics, Access.OPEN),
+        Route("GET", "/v1/cluster/workers", list_workers, Access.ADMIN),
+        Route("POST", "/v1/cluster/workers/{worker_id}/drain", drain_worker, Access.ADMIN, json_body),
+        Route("GET", "/v1/cluster/workers/{worker_id}/metrics", worker_metrics, Access.OPEN),
+        Route("GET", "/", index, Access.OPEN),
+        Route("GET", "/latency", latency_page, Access.OPEN),
+    ]
+    if settings.web_root.is_dir():
+        routes.append(Route("GET", "/static/{file:.+}", static_file, Access.OPEN))
+    return routes
+
+
 def create_entry_app(settings: Settings) -> web.Application:
-    origins = settings.server.cors_origins  # forwarded answers keep the worker's CORS headers
-    app = web.Application(middlewares=[http.edge_middleware(lambda request: origins)],
+    app = web.Application(middlewares=[route_table.edge(lambda request: request.app[SETTINGS_KEY])],
                           client_max_size=_body_limit(settings))
     app[SETTINGS_KEY] = settings
     app[FLEET_KEY] = Fleet(settings)
-
-    app.router.add_post("/v1/rtc/offer", place)
-    app.router.add_post("/whip", place)
-    app.router.add_patch("/whip/{session_id}", routed)
-    app.router.add_delete("/whip/{session_id}", routed)
-    app.router.add_get("/v1/sessions", list_sessions)
-    app.router.add_get("/v1/sessions/{session_id}", routed)
-    app.router.add_delete("/v1/sessions/{session_id}", routed)
-    app.router.add_get("/v1/recordings", list_recordings)
-    app.router.add_get("/v1/sessions/{session_id}/recording", routed_recording)
-    app.router.add_get("/v1/sessions/{session_id}/recording/events", routed_recording)
-    app.router.add_delete("/v1/sessions/{session_id}/recording", routed_recording)
-    app.router.add_post(realtime.CALLS_PATH, place)
-    app.router.add_post(realtime.CALLS_PATH + "/{call_id}/hangup", routed_server_key)
-    app.router.add_post("/v1/realtime/client_secrets", any_worker)
-    app.router.add_get("/v1/realtime", sideband)
-    if settings.telephony.enabled:
-        app.router.add_get("/v1/telephony/ws", place_websocket)
-        app.router.add_get("/v1/telephony/ws/{provider}", place_websocket)
-        app.router.add_get("/v1/telephony/calls/{session_id}/events", routed_websocket)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/cluster/workers", list_workers)
-    app.router.add_post("/v1/cluster/workers/{worker_id}/drain", drain_worker)
-    app.router.add_get("/v1/cluster/workers/{worker_id}/metrics", worker_metrics)
-    app.router.add_get("/", index)
-    app.router.add_get("/latency", latency_page)
-    if settings.web_root.is_dir():
-        app.router.add_static("/static/", settings.web_root, show_index=False)
+    app[CLIENT_SECRETS_KEY] = ClientSecrets(settings.server.auth_token)
+    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s)
+    table = route_table.table_of(app)
+    for route in _routes(settings):
+        table.add(app, route)
 
     async def on_startup(app: web.Application) -> None:
         await app[FLEET_KEY].start()
 
+    async def on_shutdown(app: web.Application) -> None:
+        """Relayed WebSockets end (1001) within the shutdown grace; waiting body reads end at once."""
+        await lifecycle.stop(shutdown_deadline(asyncio.get_running_loop().time(), settings.server.shutdown_grace_s))
+
     async def on_cleanup(app: web.Application) -> None:
         await app[FLEET_KEY].stop()
 
+    app.on_startup.append(table.check)
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
-

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-_WORKER_ID = re.compile(r"^w[0-9]{1,6}$")
-_IN_SESSION_ID = re.compile(r"^[a-z]+_(w[0-9]{1,6})-[0-9A-Za-z_-]+$")
+_WORKER_ID = re.compile(r"w[0-9]{1,6}")
+_IN_SESSION_ID = re.compile(r"[a-z]+_(w[0-9]{1,6})-[0-9A-Za-z_-]+")
 
 
 def worker_id(index: int) -> str:
@@ -17,7 +17,7 @@ def worker_id(index: int) -> str:
 
 
 def is_worker_id(value: str) -> bool:
-    return bool(_WORKER_ID.match(value))
+    return bool(_WORKER_ID.fullmatch(value))
 
 
 def session_prefix(worker: str) -> str:
@@ -29,5 +29,5 @@ def session_prefix(worker: str) -> str:
 
 def worker_of(session_id: str) -> str | None:
     """The worker that holds ``session_id``; None for an id no worker of a cluster made."""
-    match = _IN_SESSION_ID.match(session_id)
+    match = _IN_SESSION_ID.fullmatch(session_id)
     return match.group(1) if match else None

@@ -16,7 +16,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from lychee_rtc.aio import cancel_and_wait
 from lychee_rtc.server.http import error_response
+from lychee_rtc.server.lifecycle import lifecycle_of
 
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
@@ -116,6 +118,7 @@ async def forward_download(http: aiohttp.ClientSession, base_url: str, request: 
 WS_HANDSHAKE = frozenset(h.lower() for h in (
     "Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions", "Sec-WebSocket-Protocol"))
 MAX_WS_MESSAGE_BYTES = 1024 * 1024
+PUMP_END_S = 10.0  # once one side closed, the other gets this long to pass the close on
 
 
 async def _pump(source, sink, on_first: Callable[[], None] | None = None) -> None:
@@ -174,17 +177,18 @@ async def relay_websocket(request: web.Request, upstream: aiohttp.ClientWebSocke
                           on_first_reply: Callable[[], None] | None = None) -> web.WebSocketResponse:
     """Frames both ways between the client and the worker until one side closes (its code passes on);
     ``on_first_reply`` is called when the worker's first frame arrives."""
-    downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
-                                       max_msg_size=MAX_WS_MESSAGE_BYTES, autoping=True)
+    pumps: set[asyncio.Task] = set()
     try:
-        await downstream.prepare(request)
+        # Made by the app's lifecycle: closed (1001) or aborted at shutdown like any WebSocket.
+        downstream = await lifecycle_of(request).websocket(
+            request, protocols=[upstream.protocol] if upstream.protocol else (), max_msg_size=MAX_WS_MESSAGE_BYTES,
+            heartbeat=None)
         pumps = {asyncio.ensure_future(_pump(downstream, upstream)),
                  asyncio.ensure_future(_pump(upstream, downstream, on_first_reply))}
         _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         if pending:  # the other direction gets the close passed on, then ends
-            _, pending = await asyncio.wait(pending, timeout=10.0)
-        for task in pending:
-            task.cancel()
+            await asyncio.wait(pending, timeout=PUMP_END_S)
     finally:
+        await cancel_and_wait(pumps, PUMP_END_S)  # both pumps end with the relay, whatever ended it
         await upstream.close()
     return downstream

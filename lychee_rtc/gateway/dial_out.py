@@ -21,15 +21,29 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from lychee_rtc.calls.tokens import new_session_token
+from lychee_rtc.strict_text import UnsafeText, strict_text
+
 # Final states; "answered" becomes "completed" when the answered call ends.
 FINAL = frozenset({"busy", "declined", "no_answer", "failed", "cancelled", "completed"})
-SIP_URI = re.compile(r"^(sips?:[^@\s<>\"]+@[^\s<>\"]+|tel:\+?[0-9*#][0-9*#().-]*(;[^\s<>\"]*)?)$")
+# Matched whole (strict_text: fullmatch, no control character anywhere, bounded).
+SIP_URI = re.compile(r"sips?:[^@\s<>\"]+@[^\s<>\"]+|tel:\+?[0-9*#][0-9*#().-]*(;[^\s<>\"]*)?")
 MAX_URI = 256
+
+
+def sip_uri(value: object, what: str) -> str:
+    """``value`` if it is a ``sip:``/``sips:`` URI with a user part or a ``tel:`` number, whole and
+    printable; ``UnsafeText`` otherwise. Every URI that goes into a SIP message passes here."""
+    return strict_text(value, what, MAX_URI, SIP_URI)
 
 
 def valid_target(uri: object) -> bool:
     """A ``sip:``/``sips:`` URI with a user part, or a ``tel:`` number."""
-    return isinstance(uri, str) and len(uri) <= MAX_URI and SIP_URI.match(uri) is not None
+    try:
+        sip_uri(uri, "uri")
+    except UnsafeText:
+        return False
+    return True
 
 
 def sip_target(uri: str, registrar: str) -> str:
@@ -63,6 +77,9 @@ class OutboundCall:
     caller_id: str | None
     ring_timeout_s: float
     id: str = field(default_factory=lambda: f"call_{secrets.token_hex(8)}")
+    # The secret its requester is given (in the 201 only): it opens the call's resources, and the
+    # answered session's, like a session token.
+    token: str = field(default_factory=new_session_token)
     sip_call_id: str = field(default_factory=lambda: f"{secrets.token_hex(12)}@lychee")
     status: str = "dialing"
     sip_status: int | None = None

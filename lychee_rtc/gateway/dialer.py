@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections import OrderedDict
 from typing import Any
 
 from lychee_rtc.calls.call import ServerFull
+from lychee_rtc.calls.tokens import new_session_token
 from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.gateway.dial_out import OutboundCall, sip_target, status_for_sip_code
+from lychee_rtc.gateway.errors import checked_uri
 from lychee_rtc.gateway.janus_api import JanusError
 from lychee_rtc.gateway.line import Line
 from lychee_rtc.rtc.sdp import SdpError
@@ -41,6 +44,9 @@ class Dialer:
     async def dial(self, to: str, caller_id: str | None, options: SessionOptions,
                    ring_timeout_s: float) -> OutboundCall:
         """Start a call and return once Janus has sent the INVITE (or raise why it could not)."""
+        checked_uri(to, "to")
+        if caller_id is not None:
+            checked_uri(caller_id, "from")
         gw = self.gateway
         api = gw._api
         if api is None or not gw.registered:
@@ -48,7 +54,9 @@ class Dialer:
         line = next((ln for ln in gw._lines.values() if ln.free), None)
         if line is None:
             raise ServerFull(gw.registry.settings.session.retry_after_s)
-        attempt = OutboundCall(to=to, caller_id=caller_id, ring_timeout_s=ring_timeout_s)
+        prefix = gw.registry.id_prefix  # a cluster entry routes the call's requests by it
+        attempt = OutboundCall(to=to, caller_id=caller_id, ring_timeout_s=ring_timeout_s,
+                               id=f"call_{prefix}{secrets.token_hex(8)}", token=new_session_token(prefix))
         loop = asyncio.get_running_loop()
         attempt.sent, attempt.outcome = loop.create_future(), loop.create_future()
         line.outbound = attempt  # the line is taken from here on
@@ -67,7 +75,7 @@ class Dialer:
                 origin = {"kind": "sip", "gateway": "janus", "direction": "outbound", "call_id": attempt.id,
                           "caller": attempt.caller_id or gw.settings.sip_uri, "callee": attempt.to,
                           "sip_call_id": attempt.sip_call_id}
-                call = await gw.rtc.prepare_offer(slot, options, origin)
+                call = await gw.rtc.prepare_offer(slot, options, origin, token=attempt.token)
                 attempt.session = call.session
                 await self._invite(line, attempt, call)
                 answered = await self._outcome(line, attempt)

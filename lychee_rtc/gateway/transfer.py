@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lychee_rtc.gateway.dial_out import sip_target
-from lychee_rtc.gateway.errors import CallActionRefused
+from lychee_rtc.gateway.errors import CallActionRefused, checked_uri
 from lychee_rtc.gateway.hold import set_hold
 from lychee_rtc.gateway.janus_api import JanusError
 
@@ -74,6 +74,7 @@ class Transfers:
                     consult_session: str | None = None) -> Transfer:
         """Send the REFER (with ``replaces``: attended); raise CallActionRefused when this call cannot
         be transferred now."""
+        checked_uri(target_uri, "target_uri")
         line = self.line_of(session_id)
         call = self.gateway.registry.calls.get(session_id)
         if line is None or call is None or call.session.closed:

@@ -9,7 +9,8 @@ from typing import Awaitable, Callable
 
 from aiortc import RTCPeerConnection
 
-from lychee_rtc.calls.tokens import new_session_token
+from lychee_rtc.aio import cancel_and_wait
+from lychee_rtc.calls.tokens import ClientKey, Opener
 from lychee_rtc.media.playout import PlayoutCounters
 from lychee_rtc.media.uplink import InboundCounters
 from lychee_rtc.rtc.outbound import PacedAudioTrack
@@ -19,6 +20,8 @@ from lychee_rtc.session.session import DuplexSession
 
 # How long a closing call waits for its last events to be handed to the transport.
 EVENT_DRAIN_S = 1.0
+# A dropped path's readers get this long to end.
+TASK_END_S = 1.0
 
 
 @dataclass
@@ -37,22 +40,28 @@ class RtcCall:
     # Called with the reason once the call is torn down (a SIP gateway hangs up its leg here).
     on_closed: list[Callable[[str], Awaitable[None] | None]] = field(default_factory=list)
     sctp_guard: SctpGuard | None = None
-    # The session's own secret (calls.tokens). None for a connector's leg (the SIP gateway's): no client
-    # holds a token for it, so it never resumes and the server key opens its resource.
-    token: str | None = field(default_factory=new_session_token)
+    # The session's own secret (calls.tokens), handed to its client. None for a call nobody was given
+    # one (a WHIP call holds its resource URL instead; the SIP gateway's inbound legs): then only
+    # the server key opens its resources.
+    token: str | None = None
     whip_resource: str | None = None  # the WHIP resource id: a capability, like the token
+    client_key: ClientKey | None = None  # the ek_ key the call was opened with: it opens it too
+    # A client that holds the token and speaks the resume protocol (a JSON offer's): a lost path is
+    # held for the resume window. Any other call ends when its path is lost.
+    resumable: bool = False
     transport_failure: str | None = None  # why the media path failed, when the transport knows
     watchdog: asyncio.Task | None = None
     negotiated_at: float | None = None  # when the current peer connection was answered
     suspended_at: float | None = None  # the media path was lost then; the session waits for a resume
+    path_lost_at: float | None = None  # the first loss not yet followed by a connected path
     suspend_reason: str | None = None
     resuming: bool = False
     resume_from: int | None = None  # last event seq the resuming client has, until its channel opens
     resumes: int = 0
 
-    @property
-    def resumable(self) -> bool:
-        return True  # a new offer with the session's token replaces a broken peer connection
+    def opener(self) -> Opener:
+        secrets = tuple(s for s in (self.whip_resource, self.token) if s)
+        return Opener(secrets=secrets, client_key=self.client_key)
 
     def connect_started_at(self) -> float:
         return self.negotiated_at or self.session.created_at
@@ -64,10 +73,7 @@ class RtcCall:
         """The peer connection is lost: stop reading it and drop it; the session stays for a resume."""
         pc, track, tasks = self.pc, self.track, self.tasks
         self.tasks = []
-        current = asyncio.current_task()
-        for task in tasks:
-            if task is not current:
-                task.cancel()
+        await cancel_and_wait(tasks, TASK_END_S)
         await abandon(pc, track)
 
     async def close_transport(self) -> None:

@@ -15,13 +15,14 @@ from typing import Any
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.exceptions import OperationError
 
+from lychee_rtc.aio import cancel_and_wait
 from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.registry import CallRegistry
-from lychee_rtc.calls.tokens import new_session_token, new_whip_resource, secret_matches
+from lychee_rtc.calls.tokens import ClientKey, digest, new_session_token, new_whip_resource, secret_matches
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
 from lychee_rtc.engine.scheduler import EngineSlot
-from lychee_rtc.rtc.call import RtcCall, abandon
+from lychee_rtc.rtc.call import TASK_END_S, RtcCall, abandon
 from lychee_rtc.rtc.codec_threads import limit_codec_threads
 from lychee_rtc.rtc.consent import install_consent_freshness
 from lychee_rtc.rtc.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_event, install_dtmf_tap
@@ -54,6 +55,7 @@ class RtcNegotiator:
         self.dialects = dialects  # data-channel label -> the dialect spoken on it
         self._calls: dict[str, RtcCall] = {}  # session id -> this transport's registered calls
         self._whip_resources: dict[str, str] = {}  # WHIP resource id -> session id
+        self._resumable: dict[str, str] = {}  # hash of a resumable call's token -> session id
         registry.on_removed.append(self._forget)
         limit_codec_threads()
         # Offered after the voice codecs, so that callers through a SIP gateway can send keys.
@@ -63,10 +65,18 @@ class RtcNegotiator:
         session_id = self._whip_resources.get(resource_id)
         return self._calls.get(session_id) if session_id is not None else None
 
+    def call_by_token(self, token: str | None) -> RtcCall | None:
+        """The resumable call whose session token ``token`` is (a resume's bearer), if any."""
+        session_id = self._resumable.get(digest(token)) if token else None
+        call = self._calls.get(session_id) if session_id is not None else None
+        return call if call is not None and secret_matches(token, call.token) else None
+
     def _forget(self, call: Call) -> None:
         mine = self._calls.pop(call.session.id, None)
         if mine is not None and mine.whip_resource is not None:
             self._whip_resources.pop(mine.whip_resource, None)
+        if mine is not None and mine.token is not None:
+            self._resumable.pop(digest(mine.token), None)
 
     def rtc_configuration(self) -> RTCConfiguration:
         # Always explicit: aiortc falls back to a public STUN server when given None.
@@ -78,16 +88,28 @@ class RtcNegotiator:
 
     async def create(self, offer_sdp: str, options: SessionOptions | None = None, whip: bool = False,
                      metrics: bool = False, origin: dict[str, Any] | None = None, record: bool = False,
-                     session_id: str | None = None, processing: dict[str, bool] | None = None) -> RtcCall:
+                     session_id: str | None = None, processing: dict[str, bool] | None = None,
+                     resumable: bool = False, client_key: ClientKey | None = None) -> RtcCall:
         """``origin``: where the call came from when a connector places it (a SIP gateway's caller);
         ``record``: the client asked for a recording from the start (its route checked that it may);
         ``session_id``: the id the call was announced under before it was answered (a webhook's);
-        ``processing``: uplink processing asked for on top of the ingress's defaults (``audio_processing``)."""
+        ``processing``: uplink processing asked for on top of the ingress's defaults (``audio_processing``);
+        ``resumable``: its client is handed the token and speaks the resume protocol (a JSON offer);
+        ``client_key``: the ek_ key the call was opened with, which opens its resources too.
+
+        The call's secret: a token for a client's call (its answer hands it over), the resource URL
+        for WHIP, none for a connector's leg (the server key opens those)."""
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         validate_offer(offer_sdp)
         async with self.registry.admission(options or SessionOptions()) as slot:
             call = await self._connect(slot, offer_sdp, options or SessionOptions(), whip, metrics, origin,
                                        session_id, processing)
+            call.client_key = client_key
+            if origin is None and not whip:
+                call.token = new_session_token(self.registry.id_prefix)
+                call.resumable = resumable
+                if resumable:
+                    self._resumable[digest(call.token)] = call.session.id
             self.registry.register(call, record=record)
         if self.registry.closing:  # shutdown began while this offer was being answered
             await self.registry.close(call.session.id, "server_shutdown")
@@ -102,8 +124,7 @@ class RtcNegotiator:
         session = self.registry.new_session(slot, track, options, metrics, origin, session_id, ingress=ingress,
                                             processing=processing)
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
-                       whip_resource=new_whip_resource(self.registry.id_prefix) if whip else None,
-                       token=new_session_token() if origin is None else None)
+                       whip_resource=new_whip_resource(self.registry.id_prefix) if whip else None)
         await self._negotiate(call, offer_sdp)
         self._calls[session.id] = call
         if call.whip_resource is not None:
@@ -137,17 +158,17 @@ class RtcNegotiator:
                     other.direction = "inactive"  # video or a second audio line: not received at all
             await pc.setLocalDescription(await pc.createAnswer())
         except OperationError:
-            await abandon(pc, track)
+            await self._abandon_attempt(call)
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True) from None
         except BaseException as exc:  # aiortc's parsers raise assorted errors on bad SDP
-            await abandon(pc, track)
+            await self._abandon_attempt(call)
             if not isinstance(exc, Exception):
                 raise
             raise SdpError(f"cannot use SDP offer: {exc}") from None
         codec = negotiated_audio_codec(pc.localDescription.sdp)
         if codec is None or codec[0].lower() == TELEPHONE_EVENT.split("/")[1]:
-            await abandon(pc, track)
+            await self._abandon_attempt(call)
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True)
         call.codec = codec[0]
@@ -159,8 +180,10 @@ class RtcNegotiator:
 
     # --- our own offer (a call the server places) ----------------------------------------------------
 
-    async def prepare_offer(self, slot: EngineSlot, options: SessionOptions, origin: dict[str, Any]) -> RtcCall:
-        """A call the server places: a session and a peer connection holding our offer.
+    async def prepare_offer(self, slot: EngineSlot, options: SessionOptions, origin: dict[str, Any],
+                            token: str | None = None) -> RtcCall:
+        """A call the server places: a session and a peer connection holding our offer (``token``:
+        the secret its requester was given, which opens the call's resources).
 
         Nothing is registered yet: the far end may never answer. ``complete_offer`` registers the
         call once the answer comes; ``discard_offer`` lets it go otherwise.
@@ -169,7 +192,7 @@ class RtcNegotiator:
         track = self._new_track()
         session = self.registry.new_session(slot, track, options, False, origin)
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
-                       token=None)
+                       token=token)
         track.listener = session
         self._wire(call, call.pc)
         transceiver = call.pc.addTransceiver(track, direction="sendrecv")
@@ -205,6 +228,14 @@ class RtcNegotiator:
 
     async def discard_offer(self, call: RtcCall) -> None:
         """An offer nobody answered: drop its peer connection (the caller closes the session)."""
+        await self._abandon_attempt(call)
+
+    @staticmethod
+    async def _abandon_attempt(call: RtcCall) -> None:
+        """A negotiation that failed: the readers its tracks started end first (a track whose
+        receiver never started never ends by itself), then the peer connection is dropped."""
+        tasks, call.tasks = call.tasks, []
+        await cancel_and_wait(tasks, TASK_END_S)
         await abandon(call.pc, call.track)
 
     # --- resuming ----------------------------------------------------------------------------------
@@ -218,7 +249,7 @@ class RtcNegotiator:
         """
         validate_offer(offer_sdp)
         call = self._calls.get(session_id)
-        if call is None or call.session.closed or self.registry.closing:
+        if call is None or call.session.closed or self.registry.closing or not call.resumable:
             raise ResumeRefused(404, "session_not_found", f"no session {session_id!r} to resume")
         if not secret_matches(session_token, call.token):
             raise ResumeRefused(401, "unauthorized", "wrong session_token for this session")
@@ -313,6 +344,7 @@ class RtcNegotiator:
                 return
             if pc.connectionState == "connected" and call.connected_at is None:
                 call.connected_at = time.monotonic()
+                call.path_lost_at = None  # a path again: a later loss starts a new resume window
             elif pc.connectionState == "closed":  # the peer closed DTLS: it hung up on purpose
                 await self.registry.close(session.id, call.transport_failure or "connection_closed")
             elif pc.connectionState == "failed":  # the path broke: the client may come back

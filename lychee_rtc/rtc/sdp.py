@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from lychee_rtc.strict_text import control_characters
+
 
 # RFC 5888 / RFC 4566 token characters: what a media id may be.
 MID_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`{|}~]{1,32}")
@@ -31,7 +33,7 @@ class MediaSection:
 def parse_media_sections(sdp: str) -> list[MediaSection]:
     sections: list[MediaSection] = []
     current: dict | None = None
-    for line in sdp.splitlines():
+    for line in sdp.replace("\r\n", "\n").split("\n"):
         if line.startswith("m="):
             if current is not None:
                 sections.append(MediaSection(**current))
@@ -52,10 +54,26 @@ def parse_media_sections(sdp: str) -> list[MediaSection]:
     return sections
 
 
+def sdp_lines(sdp: str, what: str = "SDP offer") -> list[str]:
+    """The lines of ``sdp`` (CRLF or LF ends a line, RFC 8866 section 5), none of which may hold
+    another control character: a lone CR, a NUL or a vertical tab inside a value is refused, not
+    read one way here and another by aiortc or Janus."""
+    lines = sdp.replace("\r\n", "\n").split("\n")
+    while lines and not lines[-1]:
+        lines.pop()
+    for number, line in enumerate(lines, 1):
+        bad = control_characters(line)
+        if bad:
+            raise SdpError(f"{what}: line {number} contains control characters ({', '.join(bad)})")
+    return lines
+
+
 def validate_offer(sdp: str) -> list[MediaSection]:
     if not sdp.strip():
         raise SdpError("SDP offer is empty")
-    lines = sdp.strip().splitlines()
+    lines = sdp_lines(sdp)
+    while not lines[0].strip():
+        lines.pop(0)
     if lines[0].strip() != "v=0":
         raise SdpError("SDP offer must start with 'v=0'")
     for line in lines:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiortc import RTCPeerConnection
 from aiortc.sdp import candidate_from_sdp
 
-from lychee_rtc.rtc.sdp import SdpError, ice_ufrag
+from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, sdp_lines
 
 
 async def add_remote_candidates(pc: RTCPeerConnection, fragment: str) -> None:
@@ -16,7 +16,7 @@ async def add_remote_candidates(pc: RTCPeerConnection, fragment: str) -> None:
         raise SdpError("ICE restart is not supported", unprocessable=True)
     mid = None
     count = 0
-    for line in fragment.splitlines():
+    for line in sdp_lines(fragment, "trickle fragment"):
         if line.startswith("a=mid:"):
             mid = line[len("a=mid:"):].strip()
         elif line.startswith("a=candidate:"):

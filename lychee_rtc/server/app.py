@@ -5,7 +5,9 @@ The HTTP contract is written down in signaling/openapi.yaml; tests check this se
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +16,7 @@ from lychee_rtc import __version__
 from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.metrics import CallMetrics
 from lychee_rtc.calls.registry import CallRegistry
+from lychee_rtc.calls.tokens import Opener, is_session_token, secret_matches
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.factory import build_backend
 from lychee_rtc.engine.scheduler import Engine
@@ -22,9 +25,11 @@ from lychee_rtc.rtc.negotiator import ResumeRefused, RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.rtc.trickle import add_remote_candidates
 from lychee_rtc.media.recording.store import RecordingStore
-from lychee_rtc.server import auth, http, recordings
-from lychee_rtc.server.auth import Policy
+from lychee_rtc.server import auth, http, recordings, route_table
+from lychee_rtc.server.auth import Access
+from lychee_rtc.server.lifecycle import LIFECYCLE_KEY, Lifecycle, shutdown_deadline
 from lychee_rtc.server.logs import install_http_log_filter
+from lychee_rtc.server.route_table import ADMITTED_KEY, TARGET_KEY, Body, Route, Target
 from lychee_rtc.server.session_body import session_options
 from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.openai.dialect import OAI_EVENTS_LABEL, realtime_dialect
@@ -45,13 +50,6 @@ METRICS_KEY = web.AppKey("metrics", CallMetrics)
 GATEWAY_KEY = web.AppKey("gateway", object)  # the SIP gateway connector, when configured
 
 # --- middleware ------------------------------------------------------------------------------------
-
-
-def _server_key_guard(request: web.Request) -> web.Response | None:
-    key = request.app[SETTINGS_KEY].server.auth_token
-    if auth.policy_of(request) is Policy.SERVER_KEY and not auth.has_server_key(request, key):
-        return http.unauthorized()
-    return None
 
 
 @web.middleware
@@ -87,7 +85,12 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 # --- handlers --------------------------------------------------------------------------------------
 
 
-@auth.policy(Policy.SESSION)  # a new session needs the server key, a resume the session's token
+async def admit_resume(request: web.Request) -> RtcCall | None:
+    """A session's own token as bearer admits a resume of that session (and nothing else)."""
+    token = auth.bearer(request)
+    return request.app[RTC_KEY].call_by_token(token) if is_session_token(token) else None
+
+
 async def offer(request: web.Request) -> web.Response:
     body = await http.read_json_object(request, request.app[SETTINGS_KEY].server.max_sdp_bytes)
     if not isinstance(body.get("sdp"), str):
@@ -97,10 +100,11 @@ async def offer(request: web.Request) -> web.Response:
     unknown = set(body) - {"sdp", "type", "session", "resume"}
     if unknown:
         return http.error_response(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+    resuming: RtcCall | None = request.get(ADMITTED_KEY)  # the caller holds only this session's token
     if "resume" in body:
-        return await _resume(request, body)
-    if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
-        return http.unauthorized("missing or wrong bearer token")
+        return await _resume(request, body, resuming)
+    if resuming is not None:
+        return http.unauthorized("a session token only resumes its own session; a new one needs the server key")
     raw_session = body.get("session")
     try:
         options, metrics = session_options(raw_session, request.app[ENGINE_KEY].capabilities.voices)
@@ -113,7 +117,7 @@ async def offer(request: web.Request) -> web.Response:
     processing = (raw_session or {}).get("audio_processing")
     try:
         call = await request.app[RTC_KEY].create(body["sdp"], options, metrics=metrics, record=record,
-                                                 processing=processing)
+                                                 processing=processing, resumable=True)
     except ServerFull as exc:
         return http.server_full(exc)
     except ProcessingUnavailable as exc:
@@ -124,8 +128,11 @@ async def offer(request: web.Request) -> web.Response:
                                "session_id": call.session.id, "session_token": call.token})
 
 
-async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
-    """Re-attach an existing session to this offer's new peer connection (see RtcNegotiator.resume)."""
+async def _resume(request: web.Request, body: dict[str, Any], admitted: RtcCall | None) -> web.Response:
+    """Re-attach an existing session to this offer's new peer connection (see RtcNegotiator.resume).
+
+    The session's token is the credential: as bearer (checked before the body was read), or in the
+    body where no server key is configured (anyone may post offers then)."""
     resume = body["resume"]
     errors = list(validator("resume").iter_errors(resume))
     if errors:
@@ -135,9 +142,12 @@ async def _resume(request: web.Request, body: dict[str, Any]) -> web.Response:
     if "session" in body:
         return http.error_response(400, "invalid_request",
                                    "a resumed session keeps its options: send no 'session' object")
+    token = resume.get("session_token") or auth.bearer(request)
+    if admitted is not None and (admitted.session.id != resume["session_id"]
+                                 or not secret_matches(token, admitted.token)):
+        return http.unauthorized("a session token only resumes its own session")
     try:
-        call = await request.app[RTC_KEY].resume(resume["session_id"], resume["session_token"], body["sdp"],
-                                                 resume.get("last_seq", 0))
+        call = await request.app[RTC_KEY].resume(resume["session_id"], token, body["sdp"], resume.get("last_seq", 0))
     except ResumeRefused as exc:
         if exc.status == 401:
             return http.unauthorized(exc.message)
@@ -167,30 +177,25 @@ async def whip_post(request: web.Request) -> web.Response:
     return response
 
 
-def _session_call(request: web.Request) -> Call | web.Response:
-    """The session named in the path, if the request holds its token (or the server key)."""
+async def locate_session(request: web.Request) -> Target | web.Response:
+    """The session named in the path (any call of the registry) and what opens it."""
     session_id = request.match_info["session_id"]
     call = request.app[REGISTRY_KEY].calls.get(session_id)
     if call is None:
         return http.error_response(404, "session_not_found", f"no session {session_id!r}")
-    if not auth.may_use_session(request, call.token, request.app[SETTINGS_KEY].server.auth_token):
-        return http.unauthorized("this session needs its session_token (or the server key) as bearer token")
-    return call
+    return Target(call.opener(), call)
 
 
-def _whip_call(request: web.Request) -> RtcCall | web.Response:
+async def locate_whip(request: web.Request) -> Target | web.Response:
     """The WHIP resource URL is the session's capability: holding it is the authorisation."""
     call = request.app[RTC_KEY].whip_call(request.match_info["resource_id"])
     if call is None:
         return http.error_response(404, "session_not_found", "no such WHIP resource")
-    return call
+    return Target(Opener(), call)
 
 
-@auth.policy(Policy.SESSION)
 async def whip_patch(request: web.Request) -> web.Response:
-    call = _whip_call(request)
-    if isinstance(call, web.Response):
-        return call
+    call: RtcCall = request[TARGET_KEY]
     if request.content_type != http.WHIP_PATCH_TYPE:
         return http.error_response(415, "unsupported_media_type", f"PATCH bodies must be {http.WHIP_PATCH_TYPE}",
                                    headers={"Accept-Patch": http.WHIP_PATCH_TYPE})
@@ -206,20 +211,14 @@ async def whip_patch(request: web.Request) -> web.Response:
     return web.Response(status=204, headers=_whip_headers(call))
 
 
-@auth.policy(Policy.SESSION)
 async def whip_delete(request: web.Request) -> web.Response:
-    call = _whip_call(request)
-    if isinstance(call, web.Response):
-        return call
+    call: RtcCall = request[TARGET_KEY]
     await request.app[REGISTRY_KEY].close(call.session.id, "deleted")
     return web.Response(status=200)
 
 
-@auth.policy(Policy.SESSION)
 async def delete_session(request: web.Request) -> web.Response:
-    call = _session_call(request)
-    if isinstance(call, web.Response):
-        return call
+    call: Call = request[TARGET_KEY]
     await request.app[REGISTRY_KEY].close(call.session.id, "deleted")
     return web.Response(status=200)
 
@@ -233,11 +232,8 @@ async def list_sessions(request: web.Request) -> web.Response:
     })
 
 
-@auth.policy(Policy.SESSION)
 async def get_session(request: web.Request) -> web.Response:
-    call = _session_call(request)
-    if isinstance(call, web.Response):
-        return call
+    call: Call = request[TARGET_KEY]
     return http.json_response(call.snapshot())
 
 
@@ -262,27 +258,70 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
 
 
-async def index(request: web.Request) -> web.StreamResponse:
-    page = request.app[SETTINGS_KEY].web_root / "index.html"
+async def _page(request: web.Request, name: str) -> web.StreamResponse:
+    page = request.app[SETTINGS_KEY].web_root / name
     if not page.is_file():
         return http.error_response(404, "not_found", "web client not installed")
-    return web.FileResponse(page)
+    return await http.file_response(request, page)
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    return await _page(request, "index.html")
 
 
 async def latency_page(request: web.Request) -> web.StreamResponse:
     """The latency tester (web/latency.html): mouth-to-ear and response latency, measured in the browser."""
-    page = request.app[SETTINGS_KEY].web_root / "latency.html"
-    if not page.is_file():
-        return http.error_response(404, "not_found", "web client not installed")
-    return web.FileResponse(page)
+    return await _page(request, "latency.html")
+
+
+async def static_file(request: web.Request) -> web.StreamResponse:
+    """A file of the web client (its scripts and styles), never anything outside its folder."""
+    root = request.app[SETTINGS_KEY].web_root.resolve()
+    path = (root / request.match_info["file"]).resolve()
+    if root not in path.parents or not path.is_file():
+        return http.error_response(404, "not_found", "no such file")
+    return await http.file_response(request, path)
 
 
 # --- application -----------------------------------------------------------------------------------
 
 
+def _declare(app: web.Application, settings: Settings) -> None:
+    """The server's own routes (the OpenAI, SIP, carrier and recording routes declare theirs)."""
+    table = route_table.table_of(app)
+    sdp = settings.server.max_sdp_bytes
+    for route in (
+        Route("POST", "/v1/rtc/offer", offer, Access.CREATE, Body(("application/json",), sdp),
+              admit=admit_resume, admits="a session's own token (a resume of that session)"),
+        Route("GET", "/v1/sessions", list_sessions, Access.ADMIN),
+        Route("GET", "/v1/sessions/{session_id}", get_session, Access.SESSION, locate=locate_session,
+              opened_by="its session_token (a WHIP session: its resource id; a realtime call: also the ek_ key that opened it)"),
+        Route("DELETE", "/v1/sessions/{session_id}", delete_session, Access.SESSION, locate=locate_session,
+              opened_by="its session_token (a WHIP session: its resource id; a realtime call: also the ek_ key that opened it)"),
+        Route("POST", "/whip", whip_post, Access.CREATE, Body(("application/sdp",), sdp)),
+        Route("PATCH", "/whip/{resource_id}", whip_patch, Access.SESSION, Body((http.WHIP_PATCH_TYPE,), sdp),
+              locate=locate_whip, secret_in_path=True, opened_by="its resource URL (the path is the secret)"),
+        Route("DELETE", "/whip/{resource_id}", whip_delete, Access.SESSION, locate=locate_whip,
+              secret_in_path=True, opened_by="its resource URL (the path is the secret)"),
+    ):
+        table.add(app, route)
+
+
+def _declare_open(app: web.Application, settings: Settings) -> None:
+    table = route_table.table_of(app)
+    table.add(app, Route("GET", "/healthz", healthz, Access.OPEN))
+    table.add(app, Route("GET", "/readyz", readyz, Access.OPEN))
+    if settings.metrics.enabled:
+        table.add(app, Route("GET", "/metrics", metrics, Access.OPEN))
+    table.add(app, Route("GET", "/", index, Access.OPEN))
+    table.add(app, Route("GET", "/latency", latency_page, Access.OPEN))
+    if settings.web_root.is_dir():
+        table.add(app, Route("GET", "/static/{file:.+}", static_file, Access.OPEN))
+
+
 def create_app(settings: Settings, engine: Engine | None = None) -> web.Application:
     install_http_log_filter()
-    edge = http.edge_middleware(lambda request: request.app[SETTINGS_KEY].server.cors_origins, _server_key_guard)
+    edge = route_table.edge(lambda request: request.app[SETTINGS_KEY])
     app = web.Application(middlewares=[edge, page_headers], client_max_size=settings.server.max_sdp_bytes)
     if engine is None:
         engine = Engine(build_backend(settings), settings.session.max_pending_windows)
@@ -290,6 +329,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = call_metrics
+    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s)
     store = RecordingStore(settings.recording)
     registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics, store)
     profile = RealtimeProfile.build(settings, engine.capabilities)
@@ -297,13 +337,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     dialects: DialectMap = {EVENTS_LABEL: NativeDialect, OAI_EVENTS_LABEL: realtime_dialect(profile)}
     rtc = app[RTC_KEY] = RtcNegotiator(settings, registry, dialects)
 
-    app.router.add_post("/v1/rtc/offer", offer)
-    app.router.add_get("/v1/sessions", list_sessions)
-    app.router.add_get("/v1/sessions/{session_id}", get_session)
-    app.router.add_delete("/v1/sessions/{session_id}", delete_session)
-    app.router.add_post("/whip", whip_post)
-    app.router.add_patch("/whip/{resource_id}", whip_patch)
-    app.router.add_delete("/whip/{resource_id}", whip_delete)
+    _declare(app, settings)
     realtime.install(app, settings, registry, rtc, profile)
     sip_calls = None
     if settings.gateway.janus.enabled:
@@ -314,15 +348,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
         app[realtime.REALTIME_KEY].gateway = gateway
         sip_calls = add_sip_call_routes(app, settings, registry, gateway, with_events=not settings.telephony.enabled)
     if settings.telephony.enabled:
-        add_telephony_routes(app, settings, registry, sip_calls.events if sip_calls is not None else None)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    if settings.metrics.enabled:
-        app.router.add_get("/metrics", metrics)
-    app.router.add_get("/", index)
-    app.router.add_get("/latency", latency_page)
-    if settings.web_root.is_dir():
-        app.router.add_static("/static/", settings.web_root, show_index=False)
+        add_telephony_routes(app, settings, registry, sip_calls)
+    _declare_open(app, settings)
+    recordings.install(app, store, registry, settings)
 
     async def on_startup(app: web.Application) -> None:
         await app[ENGINE_KEY].start()
@@ -330,12 +358,25 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
             await app[GATEWAY_KEY].start()
 
     async def on_shutdown(app: web.Application) -> None:
+        """SIGTERM: everything within ``server.shutdown_grace_s``, on one deadline."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = shutdown_deadline(started, settings.server.shutdown_grace_s)
+        sockets = asyncio.ensure_future(lifecycle.stop(deadline))  # body reads end now, sockets by the deadline
         if GATEWAY_KEY in app:
-            await app[GATEWAY_KEY].stop()
-        await app[REGISTRY_KEY].close_all("server_shutdown")
+            try:
+                await asyncio.wait_for(app[GATEWAY_KEY].stop(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                log.warning("the SIP gateway did not stop within the shutdown grace")
+        await registry.close_all("server_shutdown", deadline)
         await app[ENGINE_KEY].stop()
+        await recordings.finish(store, max(0.0, deadline - loop.time()))
+        await sockets
+        log.info("shut down in %.2f s (server.shutdown_grace_s %.1f s)", loop.time() - started,
+                 settings.server.shutdown_grace_s)
 
+    table = route_table.table_of(app)
+    app.on_startup.append(table.check)  # a route without a declaration stops the start
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
-    recordings.install(app, store, registry, settings)
     return app

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from lychee_rtc.server.lifecycle import HANDLER_DRAIN_S
 from lychee_rtc.server.logs import RedactingAccessLogger
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def url_host(host: str) -> str:
 
 async def start_site(app: web.Application, sock: socket.socket) -> web.AppRunner:
     """Serve ``app`` on ``sock`` inside a running event loop (a cluster worker); returns the runner to clean up."""
-    runner = web.AppRunner(app, handle_signals=False, access_log_class=RedactingAccessLogger)
+    runner = web.AppRunner(app, handle_signals=False, access_log_class=RedactingAccessLogger,
+                           shutdown_timeout=HANDLER_DRAIN_S)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner
@@ -73,7 +75,10 @@ def run(app: web.Application, host: str, port: int, banner: str) -> int:
     print(banner, flush=True)
     app.on_startup.append(_freeze_startup_objects)  # after the engine's own start-up hook
     try:
-        web.run_app(app, sock=sock, print=None, access_log_class=RedactingAccessLogger)
+        # The app's own shutdown ends every wait on a client; aiohttp then gives handlers still
+        # running HANDLER_DRAIN_S (twice), within server.shutdown_grace_s (lifecycle.shutdown_deadline).
+        web.run_app(app, sock=sock, print=None, access_log_class=RedactingAccessLogger,
+                    shutdown_timeout=HANDLER_DRAIN_S)
     except Exception as exc:  # start-up hooks (engine, Ray) run inside run_app; report them like the rest
         log.debug("server failed", exc_info=True)
         print(f"lychee-rtc: server stopped: {type(exc).__name__}: {exc}", file=sys.stderr)

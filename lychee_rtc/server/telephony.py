@@ -7,14 +7,17 @@ before any audio is taken. The provider is told from the first frames unless the
 Then the call is admitted like any WebRTC offer (same capacity, engine, session and events).
 
 ``GET /v1/telephony/calls/{call}/events`` is the application's side of a phone call: the session's
-``events`` vocabulary over a WebSocket (server bearer token, like every ``/v1`` route), to watch
-the call and steer it (``response.cancel``, ``turn.listen``, ``session.close``, ...).
+``events`` vocabulary over a WebSocket, to watch the call and steer it (``response.cancel``,
+``turn.listen``, ``session.close``, ...). A carrier's call holds no secret of a client's, so it
+opens with the server key only, in every mode: a carrier's call id is a name, not a credential.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -22,10 +25,12 @@ from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.server import auth, http
-from lychee_rtc.server.auth import Policy
-from lychee_rtc.server.http import Handler
+from lychee_rtc.calls.tokens import Opener
+from lychee_rtc.server import http
+from lychee_rtc.server.auth import Access
 from lychee_rtc.server.event_socket import EventSocket
+from lychee_rtc.server.lifecycle import lifecycle_of
+from lychee_rtc.server.route_table import TARGET_KEY, Route, Target, table_of
 from lychee_rtc.session.native import NativeDialect
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES
 from lychee_rtc.telephony.auth import Admission, check_request, plivo_token_ok
@@ -59,17 +64,23 @@ def _request_urls(request: web.Request, settings: Settings) -> list[str]:
     return [f"{'wss' if secure else 'ws'}://{host}{request.path_qs}"]
 
 
+@dataclass(frozen=True)
+class _CarrierEvents:
+    """What the event-stream route found: a carrier's call (else the SIP gateway's locator's value)."""
+
+    call: CarrierCall
+
+
 class TelephonyEndpoint:
-    def __init__(self, settings: Settings, registry: CallRegistry, others: Handler | None = None) -> None:
+    def __init__(self, settings: Settings, registry: CallRegistry, others: Any = None) -> None:
         self.settings = settings
         self.registry = registry
-        self.others = others  # the event streams of calls that are not carriers' (the SIP gateway's)
+        self.others = others  # the SIP gateway's calls (server.sip_calls.SipCalls): their event streams too
         self._calls: dict[str, CarrierCall] = {}  # session id -> the phone calls among the registry's
         registry.on_removed.append(lambda call: self._calls.pop(call.session.id, None))
 
     # --- the carrier's socket --------------------------------------------------------------------
 
-    @auth.policy(Policy.OPEN)  # carriers authenticate their own way (telephony.auth), checked here
     async def media(self, request: web.Request) -> web.StreamResponse:
         telephony = self.settings.telephony
         provider = request.match_info.get("provider")
@@ -79,8 +90,8 @@ class TelephonyEndpoint:
         if admission.refusal is not None:
             log.info("telephony connection refused: %s", admission.refusal)
             return http.error_response(401, "unauthorized", admission.refusal)
-        ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, autoping=True)
-        await ws.prepare(request)
+        # Carriers keep their stream alive their own way (media and marks): no pings of ours.
+        ws = await lifecycle_of(request).websocket(request, max_msg_size=MAX_FRAME_BYTES, heartbeat=None)
         try:
             opened = await asyncio.wait_for(self._start(ws, provider, admission), telephony.start_timeout_s)
         except asyncio.TimeoutError:
@@ -163,17 +174,25 @@ class TelephonyEndpoint:
 
     # --- the application's event stream ----------------------------------------------------------
 
-    async def events(self, request: web.Request) -> web.StreamResponse:
+    async def locate_events(self, request: web.Request) -> Target | web.Response:
+        """A carrier's call by its session id or the carrier's call or stream id (the server key opens
+        it); else a SIP gateway call, when there is a gateway."""
         key = request.match_info["call"]
         call = next((c for c in self._calls.values() if c.matches(key)), None)
-        if call is None:
-            if self.others is not None:
-                return await self.others(request)
-            return http.error_response(404, "call_not_found", f"no phone call {key!r}")
+        if call is not None:
+            return Target(call.opener(), _CarrierEvents(call))
+        if self.others is not None:
+            return await self.others.locate_events(request)
+        return http.error_response(404, "call_not_found", f"no phone call {key!r}")
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        target = request[TARGET_KEY]
+        if not isinstance(target, _CarrierEvents):  # a SIP gateway call, as its own route serves it
+            return await self.others.events(request)
+        call = target.call
         if call.companion is not None:
             return http.error_response(409, "event_stream_taken", "this call already has an event stream attached")
-        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, autoping=True)
-        await ws.prepare(request)
+        ws = await lifecycle_of(request).websocket(request, max_msg_size=MAX_MESSAGE_BYTES)
         socket = EventSocket(ws, f"events-writer-{call.session.id}")
         call.companion = socket.outbox  # closed by the call when it ends
         try:
@@ -184,9 +203,15 @@ class TelephonyEndpoint:
         return ws
 
 
-def add_routes(app: web.Application, settings: Settings, registry: CallRegistry,
-               others: Handler | None = None) -> None:
+EVENTS_OPENED_BY = ("a carrier's call: the server key only; a SIP call: a placed call's session_token "
+                    "(an inbound one: the server key only)")
+
+
+def add_routes(app: web.Application, settings: Settings, registry: CallRegistry, others: Any = None) -> None:
+    """``others``: the SIP gateway's calls (``SipCalls``), whose event streams this route serves too."""
     endpoint = TelephonyEndpoint(settings, registry, others)
-    app.router.add_get(MEDIA_PATH, endpoint.media)
-    app.router.add_get(MEDIA_PATH + "/{provider}", endpoint.media)
-    app.router.add_get(EVENTS_PATH, endpoint.events)
+    table = table_of(app)
+    table.add(app, Route("GET", MEDIA_PATH, endpoint.media, Access.CARRIER, websocket=True))
+    table.add(app, Route("GET", MEDIA_PATH + "/{provider}", endpoint.media, Access.CARRIER, websocket=True))
+    table.add(app, Route("GET", EVENTS_PATH, endpoint.events, Access.SESSION, locate=endpoint.locate_events,
+                         opened_by=EVENTS_OPENED_BY, websocket=True))

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from lychee_rtc.calls.tokens import Opener
 from lychee_rtc.config import TelephonySettings
 from lychee_rtc.media.playout import PlayoutCounters
 from lychee_rtc.session.protocol import ProtocolError, error_body
@@ -76,6 +77,7 @@ class CarrierCall:
     suspended_at: float | None = None
     suspend_reason: str | None = None
     resuming: bool = False
+    path_lost_at: float | None = None
     counters: CallCounters = field(default_factory=CallCounters)
     companion: Outbox | None = None  # the call's event stream, when an application watches it
     _own_tasks: list[asyncio.Task] = field(default_factory=list)
@@ -147,6 +149,9 @@ class CarrierCall:
     @property
     def resumable(self) -> bool:
         return False  # the carrier's socket is the call: when it goes, the call ends
+
+    def opener(self) -> Opener:
+        return Opener()  # no client holds a secret for it: the server key opens its resources
 
     def connect_started_at(self) -> float:
         return self.session.created_at

@@ -33,7 +33,7 @@ EVENTS_FILE = "events.jsonl"
 META_FILE = "meta.json"
 AUDIO_TYPE = "audio/ogg; codecs=opus"
 EVENTS_TYPE = "application/x-ndjson"
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class RecordingBusy(Exception):
@@ -72,7 +72,7 @@ class RecordingStore:
     # --- a new recording ----------------------------------------------------------------------------
 
     def open(self, session_id: str, token: str | None, header: dict[str, Any]) -> CallRecorder:
-        if not _ID.match(session_id):
+        if not _ID.fullmatch(session_id):
             raise ValueError(f"not a session id: {session_id!r}")
         folder = self.directory / session_id
         t0 = self.clock()
@@ -138,7 +138,7 @@ class RecordingStore:
     # --- reading -------------------------------------------------------------------------------------
 
     def meta(self, session_id: str) -> dict[str, Any] | None:
-        if not _ID.match(session_id):
+        if not _ID.fullmatch(session_id):
             return None
         try:
             meta = json.loads((self.directory / session_id / META_FILE).read_text())

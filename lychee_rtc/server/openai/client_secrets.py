@@ -40,9 +40,9 @@ MAX_JSON_BYTES = 64 * 1024  # the payload once decompressed (as large as a call'
 _SIGNATURE_CHARS = 43  # 32 bytes of HMAC-SHA256 in unpadded base64url
 MAX_KEY_CHARS = len(PREFIX) + (MAX_PAYLOAD_BYTES * 4 + 2) // 3 + 1 + _SIGNATURE_CHARS
 _DERIVATION_LABEL = b"lychee-rtc client secret v1"
-_SHAPE = re.compile(r"^ek_([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]{43})$")
+_SHAPE = re.compile(r"ek_([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]{43})")
 _FIELDS = {"v", "iat", "exp", "nonce", "session"}
-_NONCE = re.compile(r"^[A-Za-z0-9_-]{16}$")
+_NONCE = re.compile(r"[A-Za-z0-9_-]{16}")
 
 
 class InvalidClientSecret(Exception):
@@ -112,7 +112,7 @@ class ClientSecrets:
         """The key's record; ``InvalidClientSecret`` when it is malformed, forged or expired."""
         if len(value) > MAX_KEY_CHARS:
             raise InvalidClientSecret(f"the client secret is longer than {MAX_KEY_CHARS} characters")
-        match = _SHAPE.match(value)
+        match = _SHAPE.fullmatch(value)
         if match is None:
             raise InvalidClientSecret("the client secret is malformed")
         payload, signature = match.groups()
@@ -143,7 +143,7 @@ def _read_claims(payload: str) -> dict[str, Any]:
     iat, exp = claims["iat"], claims["exp"]
     if not (_is_int(iat) and _is_int(exp) and MIN_TTL_S <= exp - iat <= MAX_TTL_S):
         raise InvalidClientSecret("the client secret's lifetime is invalid")
-    if not isinstance(claims["nonce"], str) or not _NONCE.match(claims["nonce"]):
+    if not isinstance(claims["nonce"], str) or not _NONCE.fullmatch(claims["nonce"]):
         raise InvalidClientSecret("the client secret's nonce is invalid")
     if not isinstance(claims["session"], dict):
         raise InvalidClientSecret("the client secret's session is not an object")

@@ -3,21 +3,23 @@
 * ``POST /v1/realtime/calls``: an offer as raw SDP or multipart (``sdp`` + ``session``); 201 with the
   answer SDP and ``Location: /v1/realtime/calls/{call_id}``. Authorised by the server key or an
   ephemeral ``ek_`` key, whose session configuration the call starts from.
-* ``POST /v1/realtime/calls/{call_id}/hangup``: end the call (server key); a SIP call still ringing
-  for a decision is declined.
+* ``POST /v1/realtime/calls/{call_id}/hangup``: end the call; a SIP call still ringing for a
+  decision is declined.
 * ``POST /v1/realtime/calls/{call_id}/accept`` / ``reject`` / ``refer``: OpenAI's SIP call control
-  for calls the SIP gateway announced by its ``realtime.call.incoming`` webhook (server key).
-* ``POST /v1/realtime/client_secrets``: mint an ``ek_`` key (server key only); keys are signed
-  tokens, so any process with the same server key verifies them (see ``client_secrets``).
+  for calls the SIP gateway announced by its ``realtime.call.incoming`` webhook.
+* ``POST /v1/realtime/client_secrets``: mint an ``ek_`` key (server key); keys are signed tokens,
+  so any process with the same server key verifies them (see ``client_secrets``).
 * ``GET /v1/realtime?call_id=…``: the sideband WebSocket, a server-side controller of a call
-  speaking the GA dialect (server key only).
+  speaking the GA dialect.
 
-The call id is the session id, so the call is also visible under ``/v1/sessions``.
+Everything about one call opens with that call's own secrets or the server key (``auth``), in
+every mode: the session token its 201 carries in ``X-Session-Token``, or the ``ek_`` key that
+opened it while the key lasts; a SIP call still ringing opens with the server key only. The call
+id is the session id, so the call is also visible under ``/v1/sessions``.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ from aiohttp import web
 
 from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
+from lychee_rtc.calls.tokens import ClientKey, Opener
 from lychee_rtc.config import Settings
 from lychee_rtc.gateway.call_control import DEFAULT_REJECT, DecisionRefused
 from lychee_rtc.gateway.dial_out import valid_target
@@ -33,7 +36,10 @@ from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.rtc.negotiator import RtcNegotiator
 from lychee_rtc.rtc.sdp import SdpError
 from lychee_rtc.server import auth, http
+from lychee_rtc.server.auth import Access
 from lychee_rtc.server.event_socket import EventSocket
+from lychee_rtc.server.lifecycle import lifecycle_of
+from lychee_rtc.server.route_table import ADMITTED_KEY, TARGET_KEY, Body, Route, Target, table_of
 from lychee_rtc.server.openai.client_secrets import (
     DEFAULT_TTL_S,
     ClientSecret,
@@ -75,32 +81,56 @@ class RealtimeSurface:
 REALTIME_KEY = web.AppKey("realtime", RealtimeSurface)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def error(status: int, code: str, message: str, error_type: str | None = None,
           param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     """OpenAI's error body: the shared one with ``param`` always present."""
     return http.error_response(status, code, message, error_type, headers, param=param)
 
 
-def keyless_is_local(settings: Settings) -> bool:
-    """No server key, and nobody but this machine can connect: local development."""
-    return settings.server.auth_token is None and is_loopback(settings.server.host)
+SESSION_TOKEN_HEADER = "X-Session-Token"
+CALL_OPENED_BY = "its session_token (the X-Session-Token of its 201) or the ek_ key that opened it (until it expires)"
+RINGING_OPENED_BY = "a ringing SIP call: the server key only; an answered one: as any call"
 
 
-def needs_server_key(settings: Settings) -> web.Response | None:
-    """Keys and server-side control are refused on an open server that others can reach."""
-    if settings.server.auth_token is None and not keyless_is_local(settings):
-        return error(403, "server_key_required", "set server.auth_token to use this endpoint: without a server "
-                     "key it is only available when the server listens on loopback", "invalid_request_error")
-    return None
+# --- who may reach a call (checked by the HTTP edge before the handler) -------------------------------
+
+
+async def admit_client_secret(request: web.Request) -> Any:
+    """An ``ek_`` client key opens a new call: the key's record, or the refusal of a bad key."""
+    token = auth.bearer(request)
+    if token is None or not is_client_secret(token):
+        return None
+    try:
+        return request.app[REALTIME_KEY].secrets.verify(token)
+    except InvalidClientSecret as exc:
+        return error(401, "invalid_client_secret", str(exc), headers={"WWW-Authenticate": "Bearer"})
+
+
+def _not_found(call_id: str) -> web.Response:
+    return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
+
+
+async def locate_call(request: web.Request) -> Target | web.Response:
+    """The call in the path: a live call, opened by its own secrets; or a SIP call that rings (or was
+    just decided on) and has no session yet, opened by the server key only."""
+    surface = request.app[REALTIME_KEY]
+    call_id = request.match_info["call_id"]
+    call = surface.registry.calls.get(call_id)
+    if call is not None:
+        return Target(call.opener(), call)
+    control = surface.gateway.control if surface.gateway is not None else None
+    if control is not None and (call_id in control.pending or call_id in control.decided):
+        return Target(Opener(), None)
+    return _not_found(call_id)
+
+
+async def locate_sideband(request: web.Request) -> Target | web.Response:
+    """The live call the sideband's ``call_id`` names."""
+    call_id = request.query.get("call_id")
+    if not call_id:
+        return error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
+    call = request.app[REALTIME_KEY].registry.calls.get(call_id)
+    return _not_found(call_id) if call is None else Target(call.opener(), call)
 
 
 # --- calls -------------------------------------------------------------------------------------------
@@ -108,53 +138,28 @@ def needs_server_key(settings: Settings) -> web.Response | None:
 
 async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str, Any] | None]:
     """The offer SDP and the optional ``session`` part."""
-    if request.content_length is not None and request.content_length > max_sdp + MAX_SESSION_PART_BYTES:
-        raise http.BodyError(413, "invalid_body", f"body of {request.content_length} bytes is too large")
     if request.content_type == "application/sdp":
         return await http.read_text(request, max_sdp, "the SDP offer"), None
     if request.content_type != "multipart/form-data":
         raise http.BodyError(415, "unsupported_media_type",
                              "send the offer as application/sdp or multipart/form-data with parts 'sdp' and 'session'")
-    reader = await request.multipart()
-    sdp: str | None = None
-    session: dict[str, Any] | None = None
-    for _ in range(MAX_PARTS):
-        part = await reader.next()
-        if part is None:
-            break
-        if part.name == "sdp":
-            sdp = http.as_text(await http.read_limited(part.read_chunk, max_sdp, "part 'sdp'"), "part 'sdp'")
-        elif part.name == "session":
-            raw = http.as_text(await http.read_limited(part.read_chunk, MAX_SESSION_PART_BYTES, "part 'session'"),
-                               "part 'session'")
-            try:
-                session = strict_json_loads(raw)
-            except JsonError as exc:
-                raise http.BodyError(400, "invalid_session", f"part 'session' is not valid JSON: {exc}") from None
-            if not isinstance(session, dict):
-                raise http.BodyError(400, "invalid_session", "part 'session' must be a JSON object")
-        else:
-            raise http.BodyError(400, "invalid_body", f"unknown part {part.name!r}: expected 'sdp' and 'session'")
-    else:
-        raise http.BodyError(400, "invalid_body", f"more than {MAX_PARTS} parts")
-    if sdp is None:
+    parts = await http.read_multipart(request, {"sdp": max_sdp, "session": MAX_SESSION_PART_BYTES}, MAX_PARTS)
+    if "sdp" not in parts:
         raise http.BodyError(400, "invalid_body", "part 'sdp' is required")
-    return sdp, session
+    session: dict[str, Any] | None = None
+    if "session" in parts:
+        try:
+            session = strict_json_loads(http.as_text(parts["session"], "part 'session'"))
+        except JsonError as exc:
+            raise http.BodyError(400, "invalid_session", f"part 'session' is not valid JSON: {exc}") from None
+        if not isinstance(session, dict):
+            raise http.BodyError(400, "invalid_session", "part 'session' must be a JSON object")
+    return http.as_text(parts["sdp"], "part 'sdp'"), session
 
 
-@auth.policy(auth.Policy.CLIENT_SECRET)
 async def create_call(request: web.Request) -> web.Response:
     surface = request.app[REALTIME_KEY]
-    secret: ClientSecret | None = None
-    token = auth.bearer(request)
-    if token is not None and is_client_secret(token):
-        try:
-            secret = surface.secrets.verify(token)
-        except InvalidClientSecret as exc:
-            return error(401, "invalid_client_secret", str(exc), headers={"WWW-Authenticate": "Bearer"})
-    elif not auth.has_server_key(request, surface.settings.server.auth_token):
-        return error(401, "unauthorized", "missing or wrong bearer token: the server key or an ek_ client secret "
-                     "is required", headers={"WWW-Authenticate": "Bearer"})
+    secret: ClientSecret | None = request.get(ADMITTED_KEY)  # the ek_ key that admitted the caller
     try:
         sdp, session_part = await _read_offer(request, surface.settings.server.max_sdp_bytes)
     except http.BodyError as exc:
@@ -169,30 +174,32 @@ async def create_call(request: web.Request) -> web.Response:
         return error(400, "recording_not_allowed", "this server decides what is recorded: recording.client_control "
                      "is off", param="session.lychee_rtc.recording")
     try:
+        client_key = ClientKey.of(secret.value, secret.expires_at) if secret is not None else None
         call = await surface.rtc.create(sdp, session_options(request_cfg), record=record,
-                                        processing=requested_processing(request_cfg))
+                                        processing=requested_processing(request_cfg), client_key=client_key)
     except ServerFull as exc:
         return http.server_full(exc, param=None)
     except ProcessingUnavailable as exc:
         return error(400, "audio_processing_unavailable", str(exc), param="session.audio.input.noise_reduction")
     except SdpError as exc:
         return http.sdp_refused(exc, param="sdp")
+    # The call's own secret: a client without the server key or an ek_ key ends its call with it.
     return web.Response(status=201, text=call.answer_sdp, content_type="application/sdp",
-                        headers={"Location": f"{CALLS_PATH}/{call.session.id}"})
+                        headers={"Location": f"{CALLS_PATH}/{call.session.id}", SESSION_TOKEN_HEADER: call.token})
 
 
 async def hangup(request: web.Request) -> web.Response:
     surface = request.app[REALTIME_KEY]
     call_id = request.match_info["call_id"]
     control = surface.gateway.control if surface.gateway is not None else None
-    if control is not None and call_id in control.pending:  # still ringing: decline it
+    if request[TARGET_KEY] is None and control is not None and call_id in control.pending:  # ringing: decline it
         try:
             await control.reject(call_id, DEFAULT_REJECT)
         except DecisionRefused as exc:
             return error(exc.status, exc.code, exc.message, param="call_id")
         return web.Response(status=200)
     if not await surface.registry.close(call_id, "hangup"):
-        return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
+        return _not_found(call_id)
     return web.Response(status=200)
 
 
@@ -277,8 +284,6 @@ async def refer(request: web.Request) -> web.Response:
 
 async def create_client_secret(request: web.Request) -> web.Response:
     surface = request.app[REALTIME_KEY]
-    if (refused := needs_server_key(surface.settings)) is not None:
-        return refused
     try:
         body = await _json_body(request)
     except http.BodyError as exc:
@@ -321,19 +326,12 @@ async def create_client_secret(request: web.Request) -> web.Response:
 
 async def sideband(request: web.Request) -> web.StreamResponse:
     surface = request.app[REALTIME_KEY]
-    if (refused := needs_server_key(surface.settings)) is not None:
-        return refused
-    call_id = request.query.get("call_id")
-    if not call_id:
-        return error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
-    call = surface.registry.calls.get(call_id)
-    if call is None:
-        return error(404, "call_not_found", f"no call {call_id!r}", param="call_id")
+    call = request[TARGET_KEY]
+    call_id = call.session.id
     if surface.sidebands.get(call_id, 0) >= MAX_SIDEBANDS_PER_CALL:
         return error(409, "too_many_sidebands", f"call {call_id!r} already has {MAX_SIDEBANDS_PER_CALL} sideband "
                      "connections")
-    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=20.0)
-    await ws.prepare(request)
+    ws = await lifecycle_of(request).websocket(request, max_msg_size=MAX_MESSAGE_BYTES)
     surface.sidebands[call_id] = surface.sidebands.get(call_id, 0) + 1
     socket = EventSocket(ws, f"sideband-{call_id}")
     translator = RealtimeTranslator(call.session, socket.channel, surface.profile,
@@ -352,10 +350,22 @@ async def sideband(request: web.Request) -> web.StreamResponse:
 def install(app: web.Application, settings: Settings, registry: CallRegistry, rtc: RtcNegotiator,
             profile: RealtimeProfile) -> None:
     app[REALTIME_KEY] = RealtimeSurface(settings, registry, rtc, profile, ClientSecrets(settings.server.auth_token))
-    app.router.add_post(CALLS_PATH, create_call)
-    app.router.add_post(CALLS_PATH + "/{call_id}/hangup", hangup)
-    app.router.add_post(CALLS_PATH + "/{call_id}/accept", accept)
-    app.router.add_post(CALLS_PATH + "/{call_id}/reject", reject)
-    app.router.add_post(CALLS_PATH + "/{call_id}/refer", refer)
-    app.router.add_post("/v1/realtime/client_secrets", create_client_secret)
-    app.router.add_get("/v1/realtime", sideband)
+    table = table_of(app)
+    json_body = Body(("application/json",), MAX_SESSION_PART_BYTES)
+    calls_body = Body(("application/sdp", "multipart/form-data"), settings.server.max_sdp_bytes + MAX_SESSION_PART_BYTES)
+    for route in (
+        Route("POST", CALLS_PATH, create_call, Access.CREATE, calls_body, admit=admit_client_secret,
+              admits="an ek_ client key", error=error),
+        Route("POST", CALLS_PATH + "/{call_id}/hangup", hangup, Access.SESSION, locate=locate_call,
+              opened_by=f"{CALL_OPENED_BY}; {RINGING_OPENED_BY}", error=error),
+        Route("POST", CALLS_PATH + "/{call_id}/accept", accept, Access.SESSION, json_body, locate=locate_call,
+              opened_by=RINGING_OPENED_BY, error=error),
+        Route("POST", CALLS_PATH + "/{call_id}/reject", reject, Access.SESSION, json_body, locate=locate_call,
+              opened_by=RINGING_OPENED_BY, error=error),
+        Route("POST", CALLS_PATH + "/{call_id}/refer", refer, Access.SESSION, json_body, locate=locate_call,
+              opened_by=f"{CALL_OPENED_BY} (a SIP call: the server key only)", error=error),
+        Route("POST", "/v1/realtime/client_secrets", create_client_secret, Access.ADMIN, json_body, error=error),
+        Route("GET", "/v1/realtime", sideband, Access.SESSION, locate=locate_sideband, websocket=True,
+              opened_by=f"the call_id's call: {CALL_OPENED_BY}", error=error),
+    ):
+        table.add(app, route)
