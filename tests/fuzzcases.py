@@ -124,3 +124,63 @@ def sdp_offer(seed: int, index: int, sdp: str) -> str:
     for _ in range(rng.randrange(1, 4)):
         lines = rng.choice(SDP_MUTATIONS)(rng, lines)
     return "\r\n".join(lines) + "\r\n"
+
+
+def json_body(seed: int, index: int) -> str:
+    """A body for any JSON route: an object of odd fields and values, often damaged."""
+    rng = random.Random(f"json-{seed}-{index}")
+    fields = ["to", "from", "session", "ring_timeout_s", "target_uri", "consult", "direction", "status_code",
+              "type", "instructions", "expires_after", "sdp", "resume", "x"]
+    body: Any = {rng.choice(fields): rng.choice([_value(rng), "sip:a@b" + rng.choice(ODD_STRINGS),
+                                                 "tel:+1" + rng.choice(["\n", "\x00", "\r\nX: y", "1" * 300])])
+                 for _ in range(rng.randrange(0, 5))}
+    if rng.random() < 0.15:
+        body = _value(rng)  # not an object at all
+    text = json.dumps(body)
+    return _raw_splice(rng, text) if rng.random() < 0.4 else text
+
+
+def multipart_body(seed: int, index: int, sdp: str) -> tuple[bytes, str]:
+    """(body, Content-Type) for a multipart offer: well-formed or damaged the ways a reader trips on."""
+    rng = random.Random(f"multipart-{seed}-{index}")
+    boundary = rng.choice(["lychee", "x" * 70, "a b", "", "--", "=?!", "b" * 200])
+    session = rng.choice(['{"type": "realtime"}', "{", "[]", "null", '{"instructions": "' + "y" * 70000 + '"}',
+                          json.dumps({"type": "realtime", "instructions": _value(rng)}), "\xff\xfe"])
+    parts = [("sdp", "application/sdp", sdp_offer(seed, index, sdp) if rng.random() < 0.5 else sdp),
+             ("session", "application/json", session)]
+    if rng.random() < 0.2:
+        parts.append((rng.choice(["sdp", "extra", "", "session"]), "text/plain", _value(rng) if rng.random() < 0.5 else "x"))
+    if rng.random() < 0.2:
+        rng.shuffle(parts)
+    lines: list[str] = []
+    if rng.random() < 0.1:
+        lines.append("preamble garbage")
+    for name, kind, content in parts:
+        lines.append(f"--{boundary}")
+        shape = rng.randrange(8)
+        if shape == 0:
+            lines.append("broken header line")
+        elif shape == 1:
+            lines.append("Content-Type: multipart/mixed; boundary=inner")
+            lines.append(f'Content-Disposition: form-data; name="{name}"')
+            lines += ["", "--inner", "", "nested", "--inner--"]
+            continue
+        elif shape == 2:
+            lines.append(f"Content-Type: {kind}")  # no Content-Disposition at all
+        elif shape == 3:
+            lines.append(f'Content-Disposition: form-data; name="{name}"; filename="../../etc/passwd"')
+            lines.append("Content-Transfer-Encoding: base64")
+        else:
+            lines.append(f'Content-Disposition: form-data; name="{name}"')
+            lines.append(f"Content-Type: {kind}")
+        lines += ["", str(content)]
+    if rng.random() < 0.8:
+        lines.append(f"--{boundary}--")
+    text = "\r\n".join(lines) + rng.choice(["\r\n", "", "\n"])
+    data = text.encode("utf-8", "surrogatepass")
+    if rng.random() < 0.2:
+        data = data[: rng.randrange(0, max(1, len(data)))]
+    content_type = rng.choice([f"multipart/form-data; boundary={boundary}", "multipart/form-data",
+                               f'multipart/form-data; boundary="{boundary}"', "multipart/form-data; boundary=other",
+                               f"multipart/mixed; boundary={boundary}"])
+    return data, content_type

@@ -610,9 +610,10 @@ async def test_openai_realtime_calls_through_the_entry_with_a_key_minted_there(e
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{entry.url}/v1/sessions/{first_id}", headers=ADMIN) as r:
                 assert r.status == 404  # ended at its worker
-            # The hang-up route refuses as one server does: the key first, then the call.
+            # The hang-up route refuses as one server does: no credential, another call's secret.
+            other_call = {"Authorization": f"Bearer stok_{worker_of(second_id)}-not-this-calls"}
             for call_id, headers, status, code in ((second_id, {}, 401, "unauthorized"),
-                                                   (second_id, ek, 401, "unauthorized"),
+                                                   (second_id, other_call, 401, "unauthorized"),
                                                    (first_id, ADMIN, 404, "call_not_found"),
                                                    ("sess_w9-0011223344556677", ADMIN, 404, "call_not_found"),
                                                    ("nonsense", ADMIN, 404, "call_not_found")):
@@ -620,7 +621,7 @@ async def test_openai_realtime_calls_through_the_entry_with_a_key_minted_there(e
                     raw = await r.read()
                     check_response(HANGUP, "POST", r.status, r.headers, raw)
                     assert (r.status, (await r.json())["error"]["code"]) == (status, code), raw
-            for query, headers, status in (("?call_id=" + second_id, ek, 401), ("", ADMIN, 400),
+            for query, headers, status in (("?call_id=" + second_id, other_call, 401), ("", ADMIN, 400),
                                            ("?call_id=" + first_id, ADMIN, 404),
                                            ("?call_id=sess_w9-0011223344556677", ADMIN, 404)):
                 async with http.get(f"{entry.url}/v1/realtime{query}", headers=headers) as r:

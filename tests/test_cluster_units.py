@@ -592,3 +592,23 @@ async def test_the_entry_lists_and_streams_recordings_from_the_worker_that_holds
             await fleet.http.close()
         for runner in runners:
             await runner.cleanup()
+
+
+def test_the_entry_serves_every_route_a_single_server_does(tmp_path):
+    """The entry fronts the same routes as a single server of the same profile (every surface on),
+    with the same access level each, plus its own /v1/cluster/* routes."""
+    from lychee_rtc.cluster.entry import create_entry_app
+    from lychee_rtc.server.app import create_app
+    from lychee_rtc.server.route_table import table_of
+
+    overrides = {"gateway": {"janus": {"enabled": True}}, "recording": {"directory": str(tmp_path)}}
+    settings = load_settings("configs/cluster-echo.yaml", environ={}, overrides=overrides)
+    single = {(r.method, r.shown_path): r.access for r in table_of(create_app(settings)).routes}
+    entry_app = create_entry_app(settings)
+    entry = {(r.method, r.shown_path): r.access for r in table_of(entry_app).routes}
+    missing = sorted(set(single) - set(entry))
+    assert not missing, f"routes a single server serves and the entry does not: {missing}"
+    assert {k: entry[k] for k in single} == single
+    assert {path for _, path in set(entry) - set(single)} == {
+        "/v1/cluster/workers", "/v1/cluster/workers/{worker_id}/drain", "/v1/cluster/workers/{worker_id}/metrics"}
+    assert table_of(entry_app).undeclared(entry_app) == []

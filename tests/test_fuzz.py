@@ -18,11 +18,12 @@ from aiortc import RTCPeerConnection
 from aiortc.exceptions import InvalidStateError
 
 from conftest import running_server
-from fuzzcases import client_message, offer_body, sdp_offer
+from fuzzcases import client_message, json_body, multipart_body, offer_body, sdp_offer
 from strict import in_ci
 
 from lychee_rtc.bench.client import MicrophoneTrack, RtcClient
 from lychee_rtc.jsonio import strict_json_loads
+from lychee_rtc.server.route_table import table_of
 from lychee_rtc.session.protocol import validate_server_event
 
 SEED = int(os.environ.get("LYCHEE_FUZZ_SEED", "9"))
@@ -30,6 +31,8 @@ SCALE = float(os.environ.get("LYCHEE_FUZZ_SCALE", "1"))
 HTTP_CASES = int(400 * SCALE)
 SDP_CASES = int(300 * SCALE)
 DC_CASES = int(600 * SCALE)
+ROUTE_CASES = int(40 * SCALE)  # per content type of every route that takes a body
+MULTIPART_CASES = int(200 * SCALE)
 DC_BURST = 50  # well under the per-session message rate limit, so every case is parsed
 
 # Up to 1300 requests and 600 data-channel messages against one server.
@@ -63,12 +66,19 @@ def try_send(client: RtcClient, text: str) -> bool:
     return True
 
 
+# The 503s a hostile request may get: the server is full, or the SIP gateway is not there to dial.
+REFUSALS_503 = {"server_full", "gateway_unavailable"}
+
+
 def assert_no_server_error(status: int, raw: bytes, case: str) -> None:
-    """The only 5xx a hostile request may get is the refusal of a full server (503 ``server_full``)."""
+    """No 5xx but a refusal (503 ``server_full``, ``gateway_unavailable``); every error a JSON body."""
+    if status >= 400:
+        error = strict_json_loads(raw)["error"]
+        assert error["code"] and error["message"], f"seed {SEED} {case}: {raw[:300]!r}"
     if status < 500:
         return
     assert status == 503, f"seed {SEED} {case}: {status} {raw[:300]!r}"
-    assert strict_json_loads(raw)["error"]["code"] == "server_full", f"seed {SEED} {case}: {raw[:300]!r}"
+    assert strict_json_loads(raw)["error"]["code"] in REFUSALS_503, f"seed {SEED} {case}: {raw[:300]!r}"
 
 
 def no_tracebacks(caplog) -> list[str]:
@@ -156,3 +166,79 @@ async def test_fuzz_data_channel(caplog):
             if client is not None:
                 await client.close()
         assert not no_tracebacks(caplog), no_tracebacks(caplog)[:5]
+
+
+KEY = "fuzz-server-key"
+# The SIP gateway's routes, without Janus: what they do with a body is decided before dialling.
+GATEWAY = {"janus": {"enabled": True, "url": "ws://127.0.0.1:9", "reconnect_max_s": 60}}
+
+
+def bodies_for(kind: str, i: int, sdp: str) -> tuple[bytes, str]:
+    if kind == "multipart/form-data":
+        return multipart_body(SEED, i, sdp)
+    if kind in ("application/sdp", "application/trickle-ice-sdpfrag"):
+        return sdp_offer(SEED, i, sdp).encode("utf-8", "surrogatepass"), kind
+    return json_body(SEED, i).encode("utf-8", "surrogatepass"), kind
+
+
+@pytest.mark.filterwarnings("ignore::aiohttp.multipart.BadContentDispositionHeader")  # what the cases send
+async def test_fuzz_every_route_that_takes_a_body(caplog, tmp_path):
+    """Every route of the route table that reads a body gets generated hostile bodies of each type it
+    takes (multipart offers included), with the credential that lets them through to the handler:
+    nothing may answer 5xx (but a refusal), or anything but a JSON error body, or log a traceback."""
+    caplog.set_level(logging.WARNING)
+    sdp = await real_offer()
+    overrides = dict(server={"auth_token": KEY}, gateway=GATEWAY, session={"max_sessions": 6},
+                     recording={"directory": str(tmp_path)})
+    async with running_server(**overrides) as (url, app):
+        client = RtcClient(url, auth_token=KEY)
+        await client.connect()
+        auth = {"Authorization": f"Bearer {KEY}"}
+        statuses: dict[str, dict[int, int]] = {}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/realtime/calls", data=sdp,
+                                     headers={**auth, "Content-Type": "application/sdp"}) as resp:
+                    assert resp.status == 201
+                    call_id = resp.headers["Location"].rsplit("/", 1)[1]
+                async with http.post(f"{url}/whip", data=sdp, headers={**auth, "Content-Type": "application/sdp"}) as resp:
+                    assert resp.status == 201
+                    whip = resp.headers["Location"]
+                routes = [r for r in table_of(app).routes if r.body is not None]
+                assert len(routes) >= 10  # every kind of body is here
+                for route in routes:
+                    path = (route.shown_path.replace("{session_id}", client.session_id)
+                            .replace("{call_id}", call_id).replace("{call}", client.session_id)
+                            .replace("/whip/{resource_id}", whip))
+                    kinds = route.body.types
+                    cases = MULTIPART_CASES if "multipart/form-data" in kinds else ROUTE_CASES * len(kinds)
+                    seen = statuses.setdefault(f"{route.method} {route.shown_path}", {})
+                    for i in range(cases):
+                        data, content_type = bodies_for(kinds[i % len(kinds)], i, sdp)
+                        async with http.request(route.method, url + path, data=data,
+                                                headers={**auth, "Content-Type": content_type}) as resp:
+                            raw = await resp.read()
+                            seen[resp.status] = seen.get(resp.status, 0) + 1
+                            assert_no_server_error(resp.status, raw, f"{route.method} {path} case {i}")
+                            if resp.status in (200, 201) and route.shown_path in ("/v1/rtc/offer", "/whip",
+                                                                                  "/v1/realtime/calls"):
+                                await end_what_was_made(http, url, resp, raw, auth)
+                async with http.get(f"{url}/readyz") as resp:
+                    assert resp.status == 200
+        finally:
+            await client.close()
+        assert not no_tracebacks(caplog), no_tracebacks(caplog)[:5]
+        multipart = statuses["POST /v1/realtime/calls"]
+        assert len(multipart) > 2, multipart  # the generator reaches past the first check
+
+
+async def end_what_was_made(http: aiohttp.ClientSession, url: str, resp, raw: bytes, auth: dict[str, str]) -> None:
+    """A fuzzed offer that was good enough to answer: its session ends, so the slots stay free."""
+    if "Location" in resp.headers and resp.headers["Location"].startswith("/whip/"):
+        session = url + resp.headers["Location"]
+    elif "Location" in resp.headers:
+        session = f"{url}/v1/sessions/{resp.headers['Location'].rsplit('/', 1)[1]}"
+    else:
+        session = f"{url}/v1/sessions/{strict_json_loads(raw)['session_id']}"
+    async with http.delete(session, headers=auth) as d:
+        assert d.status == 200

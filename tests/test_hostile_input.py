@@ -166,3 +166,22 @@ async def test_a_client_that_hangs_up_while_sending_a_body_is_one_log_line(echo_
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/readyz") as resp:
             assert resp.status == 200
+
+
+@pytest.mark.parametrize("body,content_type", [
+    (b"--x\r\nContent-Disposition: form-data; name=sdp\r\n\r\nv=0\r\n--x--\r\n", "multipart/form-data"),  # no boundary
+    (b"garbage", "multipart/form-data; boundary=x"),  # no starting boundary
+    (b"--x\r\nbroken\r\n\r\n", "multipart/form-data; boundary=x"),  # a part header that is not one
+    (b"--x\r\nContent-Disposition: form-data; name=sdp\r\n\r\nv=0", "multipart/form-data; boundary=x"),  # cut short
+    (b"--x\r\nContent-Type: multipart/mixed; boundary=y\r\nContent-Disposition: form-data; name=sdp\r\n\r\n"
+     b"--y\r\n\r\nz\r\n--y--\r\n--x--\r\n", "multipart/form-data; boundary=x"),  # a nested multipart
+])
+async def test_a_malformed_multipart_offer_is_a_400(echo_server, body, content_type):
+    """Each of these was a 500 with a traceback from aiohttp's multipart reader."""
+    url, _ = echo_server
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/realtime/calls", data=body, headers={"Content-Type": content_type}) as resp:
+            raw = await resp.read()
+            assert resp.status == 400, raw
+            check_response("/v1/realtime/calls", "POST", resp.status, resp.headers, raw)
+            assert json.loads(raw)["error"]["code"] in ("invalid_multipart", "invalid_body")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
 from aiortc import RTCPeerConnection
 from aiortc.exceptions import InvalidStateError
 
 from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers
 
 
+@pytest.mark.allowed_logs(r"coro=<sleep\(\)")  # the other error it makes on purpose
 async def test_the_connect_task_of_a_closed_peer_is_a_debug_line_and_other_errors_still_show(caplog):
     caplog.set_level(logging.DEBUG)
     loop = asyncio.get_running_loop()

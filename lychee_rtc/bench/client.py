@@ -23,6 +23,7 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 from aiortc.mediastreams import MediaStreamError
 
 from lychee_rtc.rtc.codec_threads import limit_codec_threads
+from lychee_rtc.rtc.peer import quiet_sends_after_close
 from lychee_rtc.pcm import FrameResampler
 
 RATE = 48000
@@ -248,6 +249,7 @@ class RtcClient:
         if ptime and int(ptime.group(1)) in (10, 20):
             self.mic.set_frame_ms(int(ptime.group(1)))
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
+        quiet_sends_after_close(self.pc)  # a send after the server closed the path is not an error
         await asyncio.wait_for(self._channel_open.wait(), timeout)
 
     async def _record(self, track) -> None:

@@ -30,7 +30,7 @@ from lychee_rtc.rtc.inbound import consume_audio, drain
 from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
 from lychee_rtc.rtc.packet_time import EncoderHints, with_ptime
-from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers
+from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers, quiet_sends_after_close
 from lychee_rtc.rtc.sctp_guard import SctpGuard
 from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.session.dialect import DialectMap, ResumableDialect
@@ -151,6 +151,7 @@ class RtcNegotiator:
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
             self._guard_data_channel(call)
+            quiet_sends_after_close(pc)
             install_consent_freshness(pc, self.settings.rtc.ice_consent_timeout_s,
                                       lambda: self._consent_expired(call, pc))
             for other in pc.getTransceivers():
@@ -214,6 +215,7 @@ class RtcNegotiator:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=answer_sdp, type="answer"))
         except Exception as exc:  # aiortc's parsers raise assorted errors on bad SDP
             raise SdpError(f"cannot use SDP answer: {exc}") from None
+        quiet_sends_after_close(pc)
         install_consent_freshness(pc, self.settings.rtc.ice_consent_timeout_s,
                                   lambda: self._consent_expired(call, pc))
         codec = negotiated_audio_codec(answer_sdp)
@@ -308,8 +310,8 @@ class RtcNegotiator:
 
         @pc.on("track")
         def on_track(track) -> None:
-            if call.pc is not pc:
-                return
+            if call.pc is not pc or session.closed:  # replaced, or ended while this path was negotiated:
+                return  # no reader that nothing would ever cancel
             # aiortc queues received frames without bound until someone reads them, so every track
             # is consumed: the first audio track feeds the session, anything else is drained.
             if track.kind == "audio":

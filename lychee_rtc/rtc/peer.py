@@ -1,4 +1,5 @@
-"""Closing a peer connection whatever state a failed negotiation left it in."""
+"""Closing a peer connection whatever state a failed negotiation left it in, and keeping aiortc's
+own tasks quiet about a path that closed under them."""
 
 from __future__ import annotations
 
@@ -73,3 +74,30 @@ def quiet_connects_of_closed_peers(loop: asyncio.AbstractEventLoop) -> None:
 
     handler.quiets_closed_peers = True  # type: ignore[attr-defined]
     loop.set_exception_handler(handler)
+
+
+def quiet_sends_after_close(pc: RTCPeerConnection) -> bool:
+    """A data-channel send that finds its path closed ends quietly (the chunk is lost with the path).
+
+    aiortc sends SCTP chunks from tasks nobody awaits: the data-channel flush that every
+    ``channel.send`` starts, retransmissions. Once the DTLS transport under them has closed (ICE
+    consent expired, the peer vanished), each fails with ``ConnectionError``, and asyncio reports
+    every one as "Task exception was never retrieved" with a traceback. The association's sender is
+    wrapped so that such a failure ends the send (at DEBUG) instead; the association itself stops
+    when the call drops the peer connection. Call once the remote description is set; False when
+    the peer has no association or aiortc changed (then nothing is wrapped).
+    """
+    sctp = pc.sctp
+    original = getattr(sctp, "_send_chunk", None)
+    if original is None or getattr(original, "quiet_after_close", False):
+        return False
+
+    async def send_chunk(chunk: Any) -> None:
+        try:
+            await original(chunk)
+        except ConnectionError as exc:
+            log.debug("an SCTP chunk found its path closed: %s", exc)
+
+    send_chunk.quiet_after_close = True  # type: ignore[attr-defined]
+    sctp._send_chunk = send_chunk  # type: ignore[union-attr]
+    return True

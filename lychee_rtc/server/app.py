@@ -286,6 +286,9 @@ async def static_file(request: web.Request) -> web.StreamResponse:
 # --- application -----------------------------------------------------------------------------------
 
 
+SESSION_OPENED_BY = "its session token (a WHIP session: its resource id; a realtime call: the ek_ key that opened it too)"
+
+
 def _declare(app: web.Application, settings: Settings) -> None:
     """The server's own routes (the OpenAI, SIP, carrier and recording routes declare theirs)."""
     table = route_table.table_of(app)
@@ -295,9 +298,9 @@ def _declare(app: web.Application, settings: Settings) -> None:
               admit=admit_resume, admits="a session's own token (a resume of that session)"),
         Route("GET", "/v1/sessions", list_sessions, Access.ADMIN),
         Route("GET", "/v1/sessions/{session_id}", get_session, Access.SESSION, locate=locate_session,
-              opened_by="its session_token (a WHIP session: its resource id; a realtime call: also the ek_ key that opened it)"),
+              opened_by=SESSION_OPENED_BY),
         Route("DELETE", "/v1/sessions/{session_id}", delete_session, Access.SESSION, locate=locate_session,
-              opened_by="its session_token (a WHIP session: its resource id; a realtime call: also the ek_ key that opened it)"),
+              opened_by=SESSION_OPENED_BY),
         Route("POST", "/whip", whip_post, Access.CREATE, Body(("application/sdp",), sdp)),
         Route("PATCH", "/whip/{resource_id}", whip_patch, Access.SESSION, Body((http.WHIP_PATCH_TYPE,), sdp),
               locate=locate_whip, secret_in_path=True, opened_by="its resource URL (the path is the secret)"),

@@ -33,7 +33,7 @@ class _Routes:
 
 
 ROUTES_KEY = web.AppKey("recordings", _Routes)
-OPENED_BY = "its session's session_token (a WHIP session's: its resource id), kept as a hash after the call"
+OPENED_BY = "its session's token (a WHIP session's: its resource id), kept as a hash after the call"
 
 
 async def locate_recording(request: web.Request) -> Target | web.Response:

@@ -12,6 +12,7 @@ tests walk it against a live server.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -52,13 +53,13 @@ Locate = Callable[[web.Request], Awaitable["Target | web.Response"]]
 # request[ADMITTED_KEY]), None for "not this credential", or the refusal to answer with.
 Admit = Callable[[web.Request], Awaitable[Any]]
 
-# What the docs say each access level accepts.
+# What the docs say each access level accepts (docs/reliability.md explains each).
 ACCESS_TEXT = {
     Access.OPEN: "anyone",
-    Access.CREATE: "the server key (anyone when none is configured)",
-    Access.ADMIN: "the server key (without one: only on a loopback-only server, else 403)",
-    Access.SESSION: "the session's own secret or the server key, in every mode",
-    Access.CARRIER: "the carrier's own credential (docs/telephony.md)",
+    Access.CREATE: "server key (anyone without one)",
+    Access.ADMIN: "server key (without one: loopback-only servers)",
+    Access.SESSION: "server key",
+    Access.CARRIER: "the carrier's own credential",
 }
 
 
@@ -81,9 +82,14 @@ class Route:
     @property
     def who(self) -> str:
         if self.access is Access.SESSION and self.opened_by:
-            return f"{self.opened_by}, or the server key"
+            return f"{self.opened_by}; or the server key"
         text = ACCESS_TEXT[self.access]
-        return f"{text}, or {self.admits}" if self.admits else text
+        return f"{text}; or {self.admits}" if self.admits else text
+
+    @property
+    def shown_path(self) -> str:
+        """The path as the docs and the OpenAPI file write it (no pattern in a parameter)."""
+        return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", self.path)
 
 
 class RouteTable:
@@ -127,15 +133,15 @@ class RouteTable:
 
     def markdown(self) -> str:
         """The table as docs/reliability.md shows it."""
-        lines = ["| method | path | who may call it | body |", "|---|---|---|---|"]
-        for route in sorted(self.routes, key=lambda r: (r.path, r.method)):
+        lines = ["| method | path | access | who may call it | body |", "|---|---|---|---|---|"]
+        for route in sorted(self.routes, key=lambda r: (r.shown_path, r.method)):
             if route.websocket:
                 body = "WebSocket"
             elif route.body is not None:
-                body = f"{', '.join(route.body.types)}, up to {route.body.limit} bytes (413 beyond)"
+                body = f"{', '.join(route.body.types)}, at most {route.body.limit} bytes"
             else:
                 body = "none"
-            lines.append(f"| {route.method} | `{route.path}` | {route.who} | {body} |")
+            lines.append(f"| {route.method} | `{route.shown_path}` | {route.access.value} | {route.who} | {body} |")
         return "\n".join(lines) + "\n"
 
 

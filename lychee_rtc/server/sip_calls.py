@@ -235,8 +235,8 @@ class SipCalls:
         return ws
 
 
-PLACED_OPENED_BY = "its session_token (from the 201 that placed it)"
-CALL_OPENED_BY = "a placed call's session_token, a live session's own secret (an inbound SIP call: the server key only)"
+PLACED_OPENED_BY = "its session token (from the 201 that placed it)"
+CALL_OPENED_BY = "a placed call's session token, a session's own secret (an inbound SIP call: the server key only)"
 
 
 def add_routes(app: web.Application, settings: Settings, registry: CallRegistry, gateway: JanusSipGateway,

@@ -203,8 +203,7 @@ class TelephonyEndpoint:
         return ws
 
 
-EVENTS_OPENED_BY = ("a carrier's call: the server key only; a SIP call: a placed call's session_token "
-                    "(an inbound one: the server key only)")
+EVENTS_OPENED_BY = "a placed call's session token (a carrier's or an inbound SIP call: the server key only)"
 
 
 def add_routes(app: web.Application, settings: Settings, registry: CallRegistry, others: Any = None) -> None:

@@ -88,8 +88,8 @@ def error(status: int, code: str, message: str, error_type: str | None = None,
 
 
 SESSION_TOKEN_HEADER = "X-Session-Token"
-CALL_OPENED_BY = "its session_token (the X-Session-Token of its 201) or the ek_ key that opened it (until it expires)"
-RINGING_OPENED_BY = "a ringing SIP call: the server key only; an answered one: as any call"
+CALL_OPENED_BY = "its session token (X-Session-Token of its 201), the ek_ key that opened it while the key lasts"
+RINGING_OPENED_BY = "no secret of its own while a SIP call rings (once answered: its own secrets)"
 
 
 # --- who may reach a call (checked by the HTTP edge before the handler) -------------------------------
@@ -357,7 +357,7 @@ def install(app: web.Application, settings: Settings, registry: CallRegistry, rt
         Route("POST", CALLS_PATH, create_call, Access.CREATE, calls_body, admit=admit_client_secret,
               admits="an ek_ client key", error=error),
         Route("POST", CALLS_PATH + "/{call_id}/hangup", hangup, Access.SESSION, locate=locate_call,
-              opened_by=f"{CALL_OPENED_BY}; {RINGING_OPENED_BY}", error=error),
+              opened_by=f"{CALL_OPENED_BY} (a ringing SIP call: none)", error=error),
         Route("POST", CALLS_PATH + "/{call_id}/accept", accept, Access.SESSION, json_body, locate=locate_call,
               opened_by=RINGING_OPENED_BY, error=error),
         Route("POST", CALLS_PATH + "/{call_id}/reject", reject, Access.SESSION, json_body, locate=locate_call,
@@ -366,6 +366,6 @@ def install(app: web.Application, settings: Settings, registry: CallRegistry, rt
               opened_by=f"{CALL_OPENED_BY} (a SIP call: the server key only)", error=error),
         Route("POST", "/v1/realtime/client_secrets", create_client_secret, Access.ADMIN, json_body, error=error),
         Route("GET", "/v1/realtime", sideband, Access.SESSION, locate=locate_sideband, websocket=True,
-              opened_by=f"the call_id's call: {CALL_OPENED_BY}", error=error),
+              opened_by=f"the call_id's: {CALL_OPENED_BY}", error=error),
     ):
         table.add(app, route)
