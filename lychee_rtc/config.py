@@ -82,6 +82,9 @@ class ServerSettings(_Section):
     shutdown_grace_s: float = Field(5.0, gt=0, le=300)
     # A request body must arrive within this (408 after): a client that sends half a body holds nothing.
     body_timeout_s: float = Field(10.0, gt=0, le=300)
+    # Event WebSockets (sideband, a phone call's events) are pinged this often; a peer that answers
+    # none for half of it is gone, and its socket is dropped.
+    websocket_heartbeat_s: float = Field(20.0, gt=0, le=600)
 
 
 class RtcSettings(_Section):

@@ -24,7 +24,7 @@ from contract import check_response, spec
 from telephony_support import CREDENTIALS, carrier, carrier_auth, media_url
 
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.calls.tokens import new_session_token
+from lychee_rtc.calls.tokens import ClientKey, Opener, digest, new_session_token
 from lychee_rtc.config import load_settings
 from lychee_rtc.server.app import REGISTRY_KEY, create_app
 from lychee_rtc.server.auth import Access
@@ -311,3 +311,15 @@ def test_the_contract_lists_what_each_route_may_answer(tmp_path):
             if not all(code in text for code in ("1000", "1001", "1009")):
                 missing.append(f"{route.method} {route.shown_path}: close codes 1000, 1001, 1009 not described")
     assert not missing, "\n".join(missing)
+
+
+def test_secrets_open_only_their_own_session_and_a_client_key_only_while_it_lasts():
+    token, key = new_session_token(), "ek_abc.def"
+    opener = Opener(secrets=(token,), client_key=ClientKey.of(key, expires_at=1000.0))
+    assert opener.opens(token, now=5000.0)  # a session token does not expire with the call's key
+    assert opener.opens(key, now=999.0) and not opener.opens(key, now=1000.0)
+    assert not opener.opens(new_session_token(), now=0.0) and not opener.opens(None) and not opener.opens("")
+    assert not opener.opens(token[:-1], now=0.0) and not opener.opens(token + "x", now=0.0)
+    kept = Opener(digests=(digest(token),))  # a recording keeps only the hash of its call's token
+    assert kept.opens(token) and not kept.opens(digest(token))
+    assert not Opener().opens(token)  # a call nobody holds a secret for: the server key only

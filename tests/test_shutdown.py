@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-from conftest import running_server
+from conftest import free_port, running_server, wait_until
+from log_guard import offending_lines
+from recording_support import decode
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 
@@ -106,3 +113,102 @@ async def test_a_call_whose_teardown_hangs_is_forced_after_the_grace():
         finally:
             for c in clients:
                 await c.close()
+
+
+# --- SIGTERM against a live server with clients that hold it -------------------------------------
+
+GRACE_S = 5.0  # server.shutdown_grace_s: the default, as documented
+LIVE_CALLS = 8
+
+
+def profile(tmp_path: Path, port: int) -> Path:
+    path = tmp_path / "profile.yaml"
+    path.write_text(textwrap.dedent(f"""
+        server: {{host: 127.0.0.1, port: {port}, shutdown_grace_s: {GRACE_S}, body_timeout_s: 60}}
+        session: {{max_sessions: {LIVE_CALLS + 2}}}
+        recording: {{enabled: true, directory: "{tmp_path / 'recordings'}"}}
+    """))
+    return path
+
+
+async def slowloris(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Half a request body, then nothing (the body timeout is set past the test, so only shutdown ends it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/rtc/offer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 5000\r\n\r\n{\"sdp\": \"v=0")
+    await writer.drain()
+    return reader, writer
+
+
+async def half_open_websocket(port: int, session_id: str, token: str) -> asyncio.StreamWriter:
+    """A sideband whose client completes the upgrade, then never reads, answers or closes again."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write((f"GET /v1/realtime?call_id={session_id} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n").encode())
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    assert status.startswith(b"HTTP/1.1 101"), status
+    writer.transport.pause_reading()  # from here on the peer reads nothing: its socket buffers fill
+    return writer
+
+
+@pytest.mark.timeout(300)
+async def test_sigterm_with_clients_that_hold_on_exits_within_the_grace(tmp_path):
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lychee_rtc.cli", "serve", "--config", str(profile(tmp_path, port)), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    url = f"http://127.0.0.1:{port}"
+    clients = [RtcClient(url) for _ in range(LIVE_CALLS)]
+    held: list[asyncio.StreamWriter] = []
+    try:
+        await wait_until(lambda: ready(url), 120, "the server to answer")
+        for client in clients:
+            await client.connect()
+            await client.wait_event("session.created", timeout=60)
+        reader, writer = await slowloris(port)
+        held.append(writer)
+        held.append(await half_open_websocket(port, clients[0].session_id, clients[0].session_token))
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+        except asyncio.TimeoutError:
+            pytest.fail("SIGTERM did not end the server within a minute")
+        exited_after = time.monotonic() - sent
+        log = err.decode()
+        assert proc.returncode == 0, log[-3000:]
+        assert not offending_lines(log.splitlines()), offending_lines(log.splitlines())[:5]
+        took = float(re.search(r"shut down in ([0-9.]+) s", log).group(1))
+        assert took <= GRACE_S, log[-2000:]  # the server's own deadline, measured inside it
+        # The process as a whole (interpreter exit included) well under the minute one slow client held it.
+        assert exited_after < 3 * GRACE_S, exited_after
+        # The slow client got an answer or its connection closed; it held nothing.
+        answer = await asyncio.wait_for(reader.read(), 30)
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        for client in clients:
+            closed = await client.wait_event("session.closed", timeout=30)
+            assert closed["reason"] == "server_shutdown"
+        for client in clients:  # every recording finished: complete, and readable to its end
+            meta = json.loads((tmp_path / "recordings" / client.session_id / "meta.json").read_text())
+            assert meta["status"] == "complete", meta
+            audio = decode((tmp_path / "recordings" / client.session_id / "audio.ogg").read_bytes())
+            assert audio.shape[1] == 2 and len(audio) > 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for writer in held:
+            writer.close()
+        for client in clients:
+            await client.close()
+
+
+async def ready(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/readyz") as resp:
+                return resp.status == 200
+    except aiohttp.ClientError:
+        return False

@@ -485,7 +485,7 @@ def create_entry_app(settings: Settings) -> web.Application:
     app[SETTINGS_KEY] = settings
     app[FLEET_KEY] = Fleet(settings)
     app[CLIENT_SECRETS_KEY] = ClientSecrets(settings.server.auth_token)
-    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s)
+    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s, settings.server.websocket_heartbeat_s)
     table = route_table.table_of(app)
     for route in _routes(settings):
         table.add(app, route)

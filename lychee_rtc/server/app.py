@@ -332,7 +332,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = call_metrics
-    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s)
+    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s, settings.server.websocket_heartbeat_s)
     store = RecordingStore(settings.recording)
     registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics, store)
     profile = RealtimeProfile.build(settings, engine.capabilities)

@@ -5,7 +5,8 @@ Both go through here, so that neither can hold the server:
 
 * a body is read within ``server.body_timeout_s`` (a client that sends half a body gets 408), and
   every read still waiting when shutdown begins ends at once (``reading``);
-* a WebSocket is made here (``websocket``), with a bounded close handshake and a heartbeat; at
+* a WebSocket is made here (``websocket``), with a bounded close handshake and a heartbeat
+  (``server.websocket_heartbeat_s``: a peer that answers no ping is dropped); at
   shutdown each gets until the deadline to close normally (its call's last events, a close frame),
   then its connection is aborted, so a peer that stopped reading (a half-open socket) cannot hold
   the process either.
@@ -27,8 +28,7 @@ log = logging.getLogger(__name__)
 # A close handshake (our close frame, the peer's answer) gets this long; a peer that never answers
 # is not waited for longer.
 WS_CLOSE_TIMEOUT_S = 2.0
-# Pings at this period; a peer that answers none for half of it is gone.
-WS_HEARTBEAT_S = 20.0
+DEFAULT_HEARTBEAT_S = 20.0  # server.websocket_heartbeat_s
 CLOSE_GOING_AWAY = WSCloseCode.GOING_AWAY  # 1001: the server is shutting down
 # After the app's own shutdown, aiohttp waits this long for handlers still running, then cancels
 # them and waits as long again (web.run_app's shutdown_timeout); the grace keeps room for both.
@@ -45,8 +45,9 @@ class ShuttingDown(Exception):
 
 
 class Lifecycle:
-    def __init__(self, body_timeout_s: float) -> None:
+    def __init__(self, body_timeout_s: float, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         self.body_timeout_s = body_timeout_s
+        self.heartbeat_s = heartbeat_s
         self.stopping = False
         self._reads: set[asyncio.Timeout] = set()
         self._sockets: dict[web.WebSocketResponse, web.Request] = {}
@@ -79,7 +80,7 @@ class Lifecycle:
         if self.stopping:
             raise ShuttingDown()
         options.setdefault("timeout", WS_CLOSE_TIMEOUT_S)
-        options.setdefault("heartbeat", WS_HEARTBEAT_S)
+        options.setdefault("heartbeat", self.heartbeat_s)
         options.setdefault("autoping", True)
         ws = web.WebSocketResponse(**options)
         await ws.prepare(request)
