@@ -11,7 +11,6 @@ answer but those. Every answer is checked against signaling/openapi.yaml.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from conftest import free_port
@@ -37,5 +38,79 @@ async def test_a_refused_body_is_answered_by_the_edge_with_the_shared_error_body
                 assert resp.headers["Access-Control-Allow-Origin"] == "https://page.example"
             async with client.post(f"{url}/note", data=b"fine") as resp:
                 assert resp.status == 200 and await resp.text() == "fine"
+    finally:
+        await runner.cleanup()
+
+
+async def test_every_answer_varies_by_origin_and_every_error_is_json():
+    """What CORS allows depends on the request's Origin, so a cache must key on it: ``Vary: Origin`` on
+    answers, preflights and refusals alike, allowed origin or not. aiohttp's own refusals (an unknown
+    path, a wrong method) and a handler's unexpected fault come back as the shared JSON error body."""
+    async def fine(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(middlewares=[http.edge_middleware(lambda request: ["https://page.example"])])
+    app.router.add_get("/fine", fine)
+    runner, url = await serve(app)
+    try:
+        async with aiohttp.ClientSession() as client:
+            for origin in ("https://page.example", "https://elsewhere.example", None):
+                headers = {"Origin": origin} if origin else {}
+                for method, path, status in (("GET", "/fine", 200), ("GET", "/nowhere", 404), ("POST", "/fine", 405),
+                                             ("OPTIONS", "/fine", 204)):
+                    async with client.request(method, url + path, headers=headers) as resp:
+                        assert resp.status == status
+                        assert "Origin" in resp.headers.getall("Vary", []), (method, path, origin)
+                        if status >= 400:
+                            assert (await resp.json())["error"]["code"]
+                        allowed = resp.headers.get("Access-Control-Allow-Origin")
+                        assert allowed == (origin if origin == "https://page.example" else None)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.allowed_logs(r"GET /broken: internal error")
+async def test_an_unexpected_fault_is_a_logged_json_500():
+    async def broken(request: web.Request) -> web.Response:
+        raise RuntimeError("a fault of the server's own")
+
+    app = web.Application(middlewares=[http.edge_middleware(lambda request: [])])
+    app.router.add_get("/broken", broken)
+    runner, url = await serve(app)
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"{url}/broken") as resp:
+                assert resp.status == 500
+                assert (await resp.json())["error"] == {"type": "server_error", "code": "internal_error",
+                                                        "message": "the server failed to handle this request"}
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_file_answer_refuses_with_the_json_error_body(tmp_path):
+    """aiohttp answers a range past the end (416) and a failed precondition (412) with an empty body;
+    ``http.file_response`` decides those first, as JSON errors like every other."""
+    path = tmp_path / "recording.ogg"
+    path.write_bytes(bytes(range(100)))
+
+    async def serve_file(request: web.Request) -> web.StreamResponse:
+        return await http.file_response(request, path, {"Content-Type": "audio/ogg"})
+
+    app = web.Application(middlewares=[http.edge_middleware(lambda request: [])])
+    app.router.add_get("/file", serve_file)
+    runner, url = await serve(app)
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"{url}/file", headers={"Range": "bytes=10-19"}) as resp:
+                assert resp.status == 206 and await resp.read() == bytes(range(10, 20))
+            for headers, status, code in (({"Range": "bytes=500-"}, 416, "range_not_satisfiable"),
+                                          ({"Range": "bytes=zz"}, 416, "range_not_satisfiable"),
+                                          ({"If-Match": '"not-its-tag"'}, 412, "precondition_failed")):
+                async with client.get(f"{url}/file", headers=headers) as resp:
+                    assert resp.status == status and (await resp.json())["error"]["code"] == code
+                    if status == 416:
+                        assert resp.headers["Content-Range"] == "bytes */100"
+            async with client.get(f"{url}/file") as resp:
+                assert resp.status == 200 and len(await resp.read()) == 100
     finally:
         await runner.cleanup()

@@ -21,6 +21,7 @@ from sip_tools import RATE, LoopbackCapture, Uas, sip_register, sipp_uas_scenari
 from test_rtc_echo import best_match
 from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
 
+from lychee_rtc.calls.tokens import new_session_token
 from lychee_rtc.gateway.dial_out import sip_target, status_for_sip_code, valid_target
 from lychee_rtc.gateway.transfer import sipfrag_status
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
@@ -62,11 +63,16 @@ async def place(url: str, to: str, **fields) -> tuple[int, dict]:
             return resp.status, json.loads(raw)
 
 
-async def resource(url: str, call_id: str, method: str = "GET") -> dict:
+async def resource(url: str, placed: dict, method: str = "GET", token: str | None = "own") -> dict:
+    """The placed call's resource, with the token of the 201 that placed it (``token``: another one)."""
+    bearer = placed["session_token"] if token == "own" else token
+    headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
     async with aiohttp.ClientSession() as http:
-        async with http.request(method, f"{url}/v1/telephony/calls/{call_id}") as resp:
+        async with http.request(method, f"{url}/v1/telephony/calls/{placed['id']}", headers=headers) as resp:
             raw = await resp.read()
             check_response("/v1/telephony/calls/{call}", method, resp.status, resp.headers, raw)
+            if token != "own":
+                return {"status": resp.status}
             assert resp.status == 200
             return json.loads(raw)
 
@@ -94,8 +100,13 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
             assert status == 201, body
             assert body["status"] in ("dialing", "ringing") and body["direction"] == "outbound" and body["session_id"] is None
             tap = tap_attempt(app, body["id"])
+            # The call's id is a name: only the token of its 201 opens it (no server key is set here).
+            assert body["session_token"].startswith("stok_")
+            for other in (None, new_session_token()):
+                for method in ("GET", "DELETE"):
+                    assert (await resource(url, body, method, token=other))["status"] == 401
             await wait_until(lambda: tap.of("session.created"), 60, "the call to be answered")
-            answered = await resource(url, body["id"])
+            answered = await resource(url, body)
             assert answered["status"] == "answered" and answered["sip_status"] == 200
             session_id = answered["session_id"]
             call = app[REGISTRY_KEY].calls[session_id]
@@ -103,13 +114,13 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
             assert call.session.origin["callee"] == f"sip:alice@127.0.0.1:{stack.ports.sip}"
             # The callee's speech comes back (echo engine): the media path works both ways.
             await wait_until(lambda: tap.of("output_audio_buffer.stopped"), 90, "the echo to be played")
-            await resource(url, body["id"], "DELETE")
+            await resource(url, body, "DELETE")
             result = await far_end  # ends only once SIPp got our BYE and answered it
             assert result.returncode == 0, result.explain()
             rtp = await capture.stop()
         statuses = [(e["status"], e.get("sip_status")) for e in tap.of("call.status")]
         assert statuses[0] == ("dialing", None) and ("ringing", 180) in statuses and statuses[-1] == ("answered", 200)
-        ended = await resource(url, body["id"])
+        ended = await resource(url, body)
         assert ended["status"] == "completed" and ended["reason"] == "deleted"
         assert app[GATEWAY_KEY].counters.dial_answered == 1 and app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
         ringing = answered["ringing_at"] - dialled_at
@@ -138,7 +149,7 @@ async def test_placed_call_refused(stack, tmp_path, user, answer, status, sip_st
         await wait_until(lambda: tap.of("session.closed"), 60, f"the {sip_status}")
         result = await far_end
         assert result.returncode == 0, result.explain()
-        final = await resource(url, body["id"])
+        final = await resource(url, body)
         assert (final["status"], final["sip_status"]) == (status, sip_status)
         assert final["session_id"] is None and final["ended_at"] is not None
         assert [e["status"] for e in tap.of("call.status")][-1] == status
@@ -160,7 +171,7 @@ async def test_unanswered_call_times_out_and_frees_everything(stack, tmp_path):
         await wait_until(lambda: tap.of("session.closed"), 60, "the attempt to give up")
         result = await far_end  # SIPp saw our CANCEL, answered it and ended its INVITE with 487
         assert result.returncode == 0, result.explain()
-        final = await resource(url, body["id"])
+        final = await resource(url, body)
         assert final["status"] == "no_answer" and final["ringing_at"] is not None
         assert final["ended_at"] - final["created_at"] >= 3
         assert app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
@@ -178,13 +189,14 @@ async def test_bad_requests_and_a_full_server_dial_nothing(stack, tmp_path):
             assert code == 400, (bad, body)
             assert body["error"]["code"] in ("invalid_target", "invalid_request", "invalid_session", "invalid_caller_id")
         async with aiohttp.ClientSession() as http:
-            async with http.get(f"{url}/v1/telephony/calls/call_nope") as resp:
+            async with http.get(f"{url}/v1/telephony/calls/call_nope",
+                                headers={"Authorization": f"Bearer {new_session_token()}"}) as resp:
                 assert resp.status == 404
         # Nobody of that name: the registrar's 404 is the outcome, and the slot comes back.
         code, unknown = await place(url, f"sip:nobody@127.0.0.1:{stack.ports.sip}")
         assert code == 201
         await wait_until(lambda: app[GATEWAY_KEY].dialer.find(unknown["id"]).final, 60, "the registrar's answer")
-        final = await resource(url, unknown["id"])
+        final = await resource(url, unknown)
         assert (final["status"], final["sip_status"]) == ("failed", 404)
         await wait_until(lambda: app[REGISTRY_KEY].free == 1, 30, "the slot to come back")
         # Capacity is taken before dialling: with the one session in use, nothing is dialled.
@@ -197,8 +209,8 @@ async def test_bad_requests_and_a_full_server_dial_nothing(stack, tmp_path):
         assert code == 503 and second["error"]["code"] == "server_full"
         assert app[GATEWAY_KEY].counters.dialled == 2
         # Cancelling while it rings frees everything.
-        await resource(url, first["id"], "DELETE")
+        await resource(url, first, "DELETE")
         await wait_until(lambda: app[REGISTRY_KEY].free == 1, 30, "the slot to come back")
         result = await far_end
         assert result.returncode == 0, result.explain()
-        assert (await resource(url, first["id"]))["status"] == "cancelled"
+        assert (await resource(url, first))["status"] == "cancelled"

@@ -61,6 +61,13 @@ def speech_8k() -> np.ndarray:
     return to_8k(synthesize("Hello there. This is a test of the echo engine, one two three."), 48000) * 0.8
 
 
+# The operator's server key: an inbound SIP call holds no client secret, so it opens over HTTP (its
+# session, hold, transfer, events) with the server key only, whatever the mode.
+OPERATOR_KEY = "sip-operator-key"
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+KEYED = {"auth_token": OPERATOR_KEY}
+
+
 def gateway_overrides(stack: TelephonyStack, **janus) -> dict:
     return {"janus": {"enabled": True, "url": stack.janus_url, "registrar": stack.registrar,
                       "request_timeout_s": 30, **janus}}
@@ -101,7 +108,7 @@ async def answered_session(app, count: int = 1):
 
 async def sessions_listing(url: str) -> dict:
     async with aiohttp.ClientSession() as http:
-        async with http.get(f"{url}/v1/sessions") as resp:
+        async with http.get(f"{url}/v1/sessions", headers=OPERATOR) as resp:
             assert resp.status == 200
             return await resp.json()
 
@@ -148,14 +155,18 @@ async def test_sipp_call_is_answered_echoed_and_ended_by_the_caller(stack, tmp_p
 async def test_server_hangs_up_and_the_caller_gets_a_bye(stack, tmp_path, speech_8k):
     pcap = tmp_path / "speech.pcap"
     speech_pcap(pcap, [np.zeros(RATE, np.float32), speech_8k[: 2 * RATE]])
-    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack)) as (url, app):
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
+                              server=KEYED) as (url, app):
         await registered(app)
         sipp = asyncio.create_task(run_sipp(sipp_uac_scenario(pcap, hold_ms=60000, hangup="callee"), tmp_path,
                                             stack.ports.sip, free_port()))
         (call,) = await answered_session(app)
         await wait_until(lambda: call.connected_at is not None, 60, "the WebRTC leg to Janus")
         async with aiohttp.ClientSession() as http:
+            # The caller's call: its id is a name, and nobody but the operator holds a secret for it.
             async with http.delete(f"{url}/v1/sessions/{call.session.id}") as resp:
+                assert resp.status == 401
+            async with http.delete(f"{url}/v1/sessions/{call.session.id}", headers=OPERATOR) as resp:
                 assert resp.status == 200
         result = await sipp  # the scenario ends only when SIPp has received the BYE and answered it
         assert result.returncode == 0, result.explain()

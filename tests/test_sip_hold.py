@@ -18,7 +18,8 @@ from contract import check_response
 from sip_tools import RATE, LoopbackCapture, to_8k
 from test_rtc_echo import best_match
 from test_sip_transfer import BARESIP_PORTS, baresip_config
-from test_sip_gateway import EventTap, answered_session, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
+from test_sip_gateway import (KEYED, OPERATOR, EventTap, answered_session, gateway_overrides, received_audio,  # noqa: F401
+                              registered, speech_8k, stack)
 
 from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.native import NativeDialect
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(600)
 
 async def post(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{url}{path}", json=body or {}) as resp:
+        async with http.post(f"{url}{path}", json=body or {}, headers=OPERATOR) as resp:
             raw = await resp.read()
             check_response("/v1/telephony/calls/{call}/" + path.rsplit("/", 1)[1], "POST", resp.status, resp.headers, raw)
             return resp.status, json.loads(raw)
@@ -36,7 +37,7 @@ async def post(url: str, path: str, body: dict | None = None) -> tuple[int, dict
 
 async def test_caller_is_held_and_resumed_without_underruns_or_timeout(stack, tmp_path, speech_8k):
     conf = baresip_config(tmp_path, speech_8k)
-    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
+    async with running_server("configs/telephony.yaml", server=KEYED, gateway=gateway_overrides(stack),
                               session={"media_timeout_s": 2, "window_grace_ms": 400}) as (url, app):
         await registered(app)
         proc = await asyncio.create_subprocess_exec(
@@ -78,7 +79,7 @@ async def test_music_on_hold_reaches_the_held_caller(stack, tmp_path, speech_8k)
     music_path = speech_fixture(music_text, "en+f3")
     music = to_8k(synthesize(music_text, voice="en+f3"), 48000)
     conf = baresip_config(tmp_path, speech_8k)
-    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack, hold_audio=str(music_path)),
+    async with running_server("configs/telephony.yaml", server=KEYED, gateway=gateway_overrides(stack, hold_audio=str(music_path)),
                               session={"window_grace_ms": 400}) as (url, app):
         await registered(app)
         async with LoopbackCapture(tmp_path / "caller.pcap", "udp dst portrange %d-%d" % BARESIP_PORTS) as capture:

@@ -21,7 +21,8 @@ from contract import check_response
 from sip_tools import (RATE, LoopbackCapture, parse_rtp, read_pcap_udp, sipp_uas_scenario, speech_pcap, to_8k)
 from test_rtc_echo import best_match
 from test_sip_dial_out import callee
-from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
+from test_sip_gateway import (KEYED, OPERATOR, EventTap, gateway_overrides, received_audio, registered,  # noqa: F401
+                              speech_8k, stack)
 
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
 from lychee_rtc.session.event_stream import EventChannel
@@ -74,7 +75,7 @@ async def answered_calls(app):
 
 
 async def post_json(http, url: str, body: dict) -> tuple[int, dict]:
-    async with http.post(url, json=body) as resp:
+    async with http.post(url, json=body, headers=OPERATOR) as resp:
         raw = await resp.read()
         check_response("/v1/telephony/calls/{call}/" + url.rsplit("/", 1)[1], "POST", resp.status, resp.headers, raw)
         return resp.status, json.loads(raw)
@@ -82,7 +83,8 @@ async def post_json(http, url: str, body: dict) -> tuple[int, dict]:
 
 async def post_transfer(url: str, call: str, target: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{url}/v1/telephony/calls/{call}/transfer", json={"target_uri": target}) as resp:
+        async with http.post(f"{url}/v1/telephony/calls/{call}/transfer", json={"target_uri": target},
+                             headers=OPERATOR) as resp:
             raw = await resp.read()
             check_response("/v1/telephony/calls/{call}/transfer", "POST", resp.status, resp.headers, raw)
             return resp.status, json.loads(raw)
@@ -94,7 +96,7 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
     target_pcap = tmp_path / "bob.pcap"
     speech_pcap(target_pcap, [np.zeros(RATE, np.float32), target_speech, np.zeros(3 * RATE, np.float32)])
     conf = baresip_config(tmp_path, speech_8k)
-    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack), server=KEYED,
                               session={"window_grace_ms": 400}) as (url, app):
         await registered(app)
         bob = await callee(stack, "bob")
@@ -110,7 +112,7 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
                 await wait_until(lambda: app[REGISTRY_KEY].calls or proc.returncode is not None, 60, "the call")
                 (call,) = list(app[REGISTRY_KEY].calls.values())
                 http = aiohttp.ClientSession()
-                ws = await http.ws_connect(f"{url}/v1/telephony/calls/{call.session.id}/events")
+                ws = await http.ws_connect(f"{url}/v1/telephony/calls/{call.session.id}/events", headers=OPERATOR)
                 tap = EventTap()
                 reader = asyncio.create_task(read_events(ws, tap))
                 # Leg one: the bot hears the caller and answers (the echo engine says it back).
@@ -206,7 +208,7 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
     conf = baresip_config(tmp_path, speech_8k, caller_sip)
     target_pcap = tmp_path / "bob.pcap"
     speech_pcap(target_pcap, [np.zeros(RATE, np.float32), speech_8k, np.zeros(30 * RATE, np.float32)])
-    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
+    async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack), server=KEYED,
                               session={"window_grace_ms": 400, "max_sessions": 3}) as (url, app):
         await registered(app)
         proc = await asyncio.create_subprocess_exec(
@@ -218,7 +220,7 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
         await sip_capture.__aenter__()
         try:
             (call,) = await answered_calls(app)
-            ws = await http.ws_connect(f"{url}/v1/telephony/calls/{call.session.id}/events")
+            ws = await http.ws_connect(f"{url}/v1/telephony/calls/{call.session.id}/events", headers=OPERATOR)
             tap = EventTap()
             reader = asyncio.create_task(read_events(ws, tap))
             target = f"sip:bob@127.0.0.1:{stack.ports.sip}"

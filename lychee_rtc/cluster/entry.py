@@ -34,15 +34,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from lychee_rtc import __version__
 from lychee_rtc.cluster.fleet import Fleet, NoPlacement
 from lychee_rtc.cluster.ids import worker_of
+from lychee_rtc.cluster.operations import (FLEET_KEY, body_limit, drain_worker, healthz, list_workers, metrics,
+                                           read_body, readyz, unavailable, worker_metrics)
 from lychee_rtc.cluster.proxy import (WorkerFailed, WorkerUnreachable, forward, forward_download, open_websocket,
                                       relay_websocket)
 from lychee_rtc.cluster.registry import WorkerView
 from lychee_rtc.config import Settings
 from lychee_rtc.calls.tokens import is_session_token
-from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.server import auth, http, route_table
 from lychee_rtc.server.app import SETTINGS_KEY, index, latency_page, static_file
 from lychee_rtc.server.auth import Access
@@ -50,24 +50,6 @@ from lychee_rtc.server.lifecycle import LIFECYCLE_KEY, Lifecycle, shutdown_deadl
 from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.openai.client_secrets import ClientSecrets, InvalidClientSecret, is_client_secret
 from lychee_rtc.server.route_table import ADMITTED_KEY, Body, Route
-
-FLEET_KEY = web.AppKey("fleet", Fleet)
-
-
-def _unavailable(fleet: Fleet, code: str, message: str) -> web.Response:
-    return http.unavailable(code, message, fleet.settings.session.retry_after_s)
-
-
-def _body_limit(settings: Settings) -> int:
-    # A realtime call's multipart body holds a session part besides the SDP; the worker bounds each.
-    return settings.server.max_sdp_bytes + realtime.MAX_SESSION_PART_BYTES + 4096
-
-
-async def _read(request: web.Request) -> bytes:
-    """The request body as the client sent it, bounded: one too large is refused by the HTTP edge's
-    ``BodyError`` answer, and a client that hangs up mid-body is one log line."""
-    return await http.read_body(request, _body_limit(request.app[SETTINGS_KEY]))
-
 
 # --- who may call what (checked by the HTTP edge before the handler) ----------------------------------
 
@@ -107,14 +89,14 @@ def _is_full(response: web.Response) -> bool:
 
 def _no_placement(fleet: Fleet, refusal: NoPlacement) -> web.Response:
     if refusal.status == 503:
-        return _unavailable(fleet, refusal.code, refusal.message)
+        return unavailable(fleet, refusal.code, refusal.message)
     return http.error_response(refusal.status, refusal.code, refusal.message)
 
 
 async def place(request: web.Request) -> web.Response:
     """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
     fleet = request.app[FLEET_KEY]
-    body = await _read(request)
+    body = await read_body(request)
     token = request.get(ADMITTED_KEY)
     if isinstance(token, str):  # a session token: a resume, to its session's worker
         return await _forward_to_holder(request, body, (token, "session"))
@@ -137,7 +119,7 @@ async def place(request: web.Request) -> web.Response:
 async def any_worker(request: web.Request) -> web.Response:
     """A request that takes no slot and needs no session (minting a client key): to a ready worker."""
     fleet = request.app[FLEET_KEY]
-    body = await _read(request)
+    body = await read_body(request)
     tried: set[str] = set()
     while (view := fleet.registry.choose_any(tried)) is not None:
         tried.add(view.worker_id)
@@ -147,7 +129,7 @@ async def any_worker(request: web.Request) -> web.Response:
             fleet.registry.mark_down(view, str(exc))
         except WorkerFailed as exc:
             return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
-    return _unavailable(fleet, "no_worker_ready", "no worker is ready; retry later")
+    return unavailable(fleet, "no_worker_ready", "no worker is ready; retry later")
 
 
 async def place_websocket(request: web.Request) -> web.StreamResponse:
@@ -228,7 +210,7 @@ def _resumed_session(request: web.Request, body: bytes) -> str | None:
 
 async def routed(request: web.Request) -> web.Response:
     """A request about one session: to the worker whose id the session id carries."""
-    return await _forward_to_holder(request, await _read(request), _target(request))
+    return await _forward_to_holder(request, await read_body(request), _target(request))
 
 
 async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[str, str]) -> web.Response:
@@ -253,7 +235,7 @@ async def _from_holder(fleet: Fleet, view: WorkerView, session_id: str,
         return await send()
     except WorkerUnreachable as exc:
         fleet.registry.mark_down(view, str(exc))
-        return _unavailable(fleet, "worker_unavailable",
+        return unavailable(fleet, "worker_unavailable",
                             f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
     except WorkerFailed as exc:
         return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
@@ -277,7 +259,7 @@ async def routed_websocket(request: web.Request) -> web.StreamResponse:
         upstream = await open_websocket(fleet.http, view.url, request, fleet.settings.cluster.forward_timeout_s)
     except WorkerUnreachable as exc:
         fleet.registry.mark_down(view, str(exc))
-        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
+        return unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
     except WorkerFailed as exc:
         return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
     if isinstance(upstream, web.Response):
@@ -337,88 +319,6 @@ async def routed_recording(request: web.Request) -> web.StreamResponse:
                               lambda: forward_download(fleet.http, view.url, request, fleet.download_timeout()))
 
 
-# --- health and operations -------------------------------------------------------------------------
-
-
-async def healthz(request: web.Request) -> web.Response:
-    return http.json_response({"status": "ok", "version": __version__})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET_KEY]
-    registry = fleet.registry
-    engines = sorted({v.status["engine"] for v in registry.workers.values() if v.status})
-    body = {"engine": ",".join(engines) or fleet.settings.engine.name, "capacity": registry.capacity,
-            "free": registry.free, "active": registry.active,
-            "workers": {state: n for state in ("ready", "starting", "draining", "down", "dead", "stopped")
-                        if (n := registry.count(state))}}
-    if registry.count("ready") == 0:
-        return http.json_response({"status": "starting", **body}, status=503)
-    if registry.free <= 0:
-        return http.json_response({"status": "full", **body}, status=503,
-                                 headers={"Retry-After": str(fleet.settings.session.retry_after_s)})
-    return http.json_response({"status": "ready", **body})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    m = request.app[FLEET_KEY].metrics
-    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
-
-
-async def list_workers(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET_KEY]
-    return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()],
-                               "waiting": fleet.waiting})
-
-
-def _worker_or_404(request: web.Request) -> WorkerView | web.Response:
-    worker = request.match_info["worker_id"]
-    view = request.app[FLEET_KEY].registry.workers.get(worker)
-    if view is None:
-        return http.error_response(404, "worker_not_found", f"no worker {worker!r}")
-    return view
-
-
-async def drain_worker(request: web.Request) -> web.Response:
-    view = _worker_or_404(request)
-    if isinstance(view, web.Response):
-        return view
-    fleet = request.app[FLEET_KEY]
-    raw = await _read(request)
-    try:
-        options = strict_json_loads(raw) if raw.strip() else {}
-    except JsonError as exc:
-        return http.error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
-    if not isinstance(options, dict) or set(options) - {"deadline_s", "restart"}:
-        return http.error_response(400, "invalid_request", "body: an object with deadline_s (seconds) and restart (boolean)")
-    deadline = options.get("deadline_s", fleet.settings.cluster.drain_timeout_s)
-    restart = options.get("restart", True)
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0:
-        return http.error_response(400, "invalid_request", "deadline_s must be a number of seconds above 0")
-    if not isinstance(restart, bool):
-        return http.error_response(400, "invalid_request", "restart must be true or false")
-    if view.state not in ("ready", "draining"):
-        return http.error_response(409, "worker_not_ready", f"worker {view.worker_id} is {view.state}")
-    try:
-        await fleet.drain(view, float(deadline), restart)
-    except Exception as exc:  # the worker died under the request: the poller will say so
-        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id}: {type(exc).__name__}: {exc}")
-    return http.json_response(view.describe(), status=202)
-
-
-async def worker_metrics(request: web.Request) -> web.Response:
-    view = _worker_or_404(request)
-    if isinstance(view, web.Response):
-        return view
-    fleet = request.app[FLEET_KEY]
-    if view.url is None or view.state in ("dead", "stopped"):
-        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} is {view.state}")
-    try:
-        return await forward(fleet.http, view.url, request, b"", fleet.timeout(), path_qs="/metrics")
-    except (WorkerUnreachable, WorkerFailed) as exc:
-        return _unavailable(fleet, "worker_unavailable", str(exc))
-
-
 # --- application -----------------------------------------------------------------------------------
 
 
@@ -427,8 +327,8 @@ FORWARDED = "as on a single server: the worker holding the session checks it"
 
 def _routes(settings: Settings) -> list[Route]:
     """The entry's routes: a single server's (the same profile's) and the cluster's own."""
-    body = Body(("application/json", "application/sdp", "multipart/form-data"), _body_limit(settings))
-    json_body = Body(("application/json",), _body_limit(settings))
+    body = Body(("application/json", "application/sdp", "multipart/form-data"), body_limit(settings))
+    json_body = Body(("application/json",), body_limit(settings))
 
     def forwarded(method: str, path: str, handler, websocket: bool = False) -> Route:
         return Route(method, path, handler, Access.SESSION, forwarded=True, opened_by=FORWARDED, websocket=websocket)
@@ -481,7 +381,7 @@ def _routes(settings: Settings) -> list[Route]:
 
 def create_entry_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[route_table.edge(lambda request: request.app[SETTINGS_KEY])],
-                          client_max_size=_body_limit(settings))
+                          client_max_size=body_limit(settings))
     app[SETTINGS_KEY] = settings
     app[FLEET_KEY] = Fleet(settings)
     app[CLIENT_SECRETS_KEY] = ClientSecrets(settings.server.auth_token)

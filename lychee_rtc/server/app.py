@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -86,9 +85,12 @@ def _whip_headers(call: RtcCall) -> dict[str, str]:
 
 
 async def admit_resume(request: web.Request) -> RtcCall | None:
-    """A session's own token as bearer admits a resume of that session (and nothing else)."""
+    """A session's own token as bearer admits a resume of that session (and nothing else). Without a
+    server key anyone may post offers: nothing to admit, the resume checks its token itself."""
     token = auth.bearer(request)
-    return request.app[RTC_KEY].call_by_token(token) if is_session_token(token) else None
+    if request.app[SETTINGS_KEY].server.auth_token is None or not is_session_token(token):
+        return None
+    return request.app[RTC_KEY].call_by_token(token)
 
 
 async def offer(request: web.Request) -> web.Response:

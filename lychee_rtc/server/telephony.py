@@ -25,7 +25,6 @@ from lychee_rtc.calls.call import ServerFull
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import SessionOptions
-from lychee_rtc.calls.tokens import Opener
 from lychee_rtc.server import http
 from lychee_rtc.server.auth import Access
 from lychee_rtc.server.event_socket import EventSocket
