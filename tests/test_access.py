@@ -11,6 +11,7 @@ answer but those. Every answer is checked against signaling/openapi.yaml.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,3 +323,21 @@ def test_secrets_open_only_their_own_session_and_a_client_key_only_while_it_last
     kept = Opener(digests=(digest(token),))  # a recording keeps only the hash of its call's token
     assert kept.opens(token) and not kept.opens(digest(token))
     assert not Opener().opens(token)  # a call nobody holds a secret for: the server key only
+
+
+@pytest.mark.parametrize("path,content_type", [("/v1/rtc/offer", "application/json"), ("/whip", "application/sdp"),
+                                               ("/v1/realtime/calls", "multipart/form-data; boundary=x"),
+                                               ("/v1/telephony/calls", "application/json")])
+async def test_a_caller_without_a_credential_is_refused_before_its_body_is_read(tmp_path, path, content_type):
+    """The refusal comes while the body is still on its way: nothing of it was read, parsed or acted on."""
+    async with running_server(**everything(tmp_path, MODES["server_key"])) as (url, app):
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                         f"Content-Length: 60000\r\n\r\n".encode() + b"{" * 100)  # and the rest never comes
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            assert head.startswith(b"HTTP/1.1 401"), head
+            assert not app[REGISTRY_KEY].calls
+        finally:
+            writer.close()

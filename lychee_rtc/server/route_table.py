@@ -25,7 +25,6 @@ from lychee_rtc.config import Settings
 from lychee_rtc.server import http
 from lychee_rtc.server.auth import Access, bearer, is_admin, keyless_is_local
 
-ROUTES_KEY = web.AppKey("route_table", object)  # the app's RouteTable
 TARGET_KEY = web.RequestKey("route_target", object)  # what a SESSION route's locator found (Target.value)
 ADMITTED_KEY = web.RequestKey("route_admitted", object)  # what a route's own credential check admitted
 
@@ -145,11 +144,14 @@ class RouteTable:
         return "\n".join(lines) + "\n"
 
 
+ROUTES_KEY = web.AppKey("route_table", RouteTable)
+
+
 def table_of(app: web.Application) -> RouteTable:
     table = app.get(ROUTES_KEY)
     if table is None:
         table = app[ROUTES_KEY] = RouteTable()
-    return table  # type: ignore[return-value]
+    return table
 
 
 # --- the check the edge runs before every handler ------------------------------------------------------
