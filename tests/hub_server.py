@@ -16,6 +16,9 @@ Faults the tests ask for: ``cut[path] = N`` sends the first N bytes of the file'
 and then drops the connection (once); ``stall`` holds a file's GET after its first bytes until
 the client goes away; ``missing`` files are listed but answer 404. Every request is logged
 (method, path, Range, whether a token came) so a test can see what was fetched again.
+
+``running(hub)`` serves it from a thread of its own, so a test can drive the real command line in
+subprocesses while the server answers.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ import asyncio
 import hashlib
 import hmac
 import json
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from aiohttp import web
 
@@ -85,7 +91,7 @@ class FakeHub:
     stall: dict[str, int] = field(default_factory=dict)  # file path -> bytes sent before holding forever
     missing: set[str] = field(default_factory=set)
     log: list[Logged] = field(default_factory=list)
-    stalled: asyncio.Event = field(default_factory=asyncio.Event)
+    stalled: threading.Event = field(default_factory=threading.Event)  # a stalled GET is holding
     _runner: web.AppRunner | None = None
     port: int = 0
     secret: bytes = b"cdn-secret"
@@ -261,7 +267,9 @@ class FakeHub:
         if stall is not None:
             await resp.write(body[:stall])
             self.stalled.set()
-            await asyncio.Event().wait()  # until the client goes away (the handler is cancelled)
+            while request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.05)  # held until the client goes away
+            return resp
         await resp.write(body)
         await resp.write_eof()
         return resp
@@ -275,3 +283,19 @@ def _error(status: int, code: str | None, message: str, commit: str | None = Non
         headers["X-Repo-Commit"] = commit
     cls = {401: web.HTTPUnauthorized, 403: web.HTTPForbidden, 404: web.HTTPNotFound}[status]
     return cls(headers=headers, text=json.dumps({"error": message}), content_type="application/json")
+
+
+@contextmanager
+def running(hub: FakeHub) -> Iterator[FakeHub]:
+    """Serve ``hub`` from a thread with its own event loop until the block ends."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-hub", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(hub.start(), loop).result(timeout=30)
+        yield hub
+    finally:
+        asyncio.run_coroutine_threadsafe(hub.stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()

@@ -53,7 +53,7 @@ def _token_hint() -> str:
     return "set HF_TOKEN to a token that may read it (or log in once with `hf auth login`)"
 
 
-def explain(exc: BaseException, ref: HubFolder) -> str | None:
+def explain(exc: BaseException, ref: HubFolder, offline: bool = False) -> str | None:
     """A message for an error no retry mends, or None when the error may pass."""
     from huggingface_hub import errors
 
@@ -73,10 +73,12 @@ def explain(exc: BaseException, ref: HubFolder) -> str | None:
         name = url.split("/resolve/", 1)[-1].split("/", 1)[-1] if "/resolve/" in url else url
         return f"{ref.repo_id}: the Hub lists {name} but answers 404 for it; the repository changed, try again later"
     if isinstance(exc, errors.LocalEntryNotFoundError):
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         why = "offline mode is on (HF_HUB_OFFLINE or --offline)" if offline else "the Hub cannot be reached"
         return (f"{ref} is not complete in the cache ({cache_dir()}) and {why}; run the download with network "
                 f"access ({str(exc).splitlines()[0]})")
+    if status == 401:  # credentials the Hub did not accept
+        said = getattr(exc, "response").headers.get("X-Error-Message") or str(exc).splitlines()[0]
+        return f"{endpoint} refused access to {ref.repo_id} (401: {said}); {_token_hint()}"
     if status in PERMANENT_STATUS:
         return f"{ref.repo_id}: the Hub answered {status}: {str(exc).splitlines()[0]}"
     return None
@@ -140,7 +142,7 @@ def fetch(kind: str, ref: HubFolder, *, local_dir: Path | None, offline: bool, r
                                          local_files_only=offline, max_workers=workers)
             break
         except Exception as exc:  # classified below; anything unknown is re-raised as is
-            message = explain(exc, ref)
+            message = explain(exc, ref, offline)
             if message is not None:
                 raise DownloadError(message) from None
             if not is_transient(exc):
