@@ -161,9 +161,11 @@ def _with_capacity(row: PlanRow, cfg: LycheeConfig, max_seq: int, lm_value_bytes
     """How many sessions this GPU holds with these settings (the largest C whose total fits)."""
     from dataclasses import replace
 
+    weights = row.lm_weights_gib * GIB
+
     def total(c: int) -> float:
         vw, vv, vs = vocoder_bytes(vocoder, c, max_speech_tokens) if vocoder is not None else (0, 0, 0)
-        return (lm_weight_bytes(cfg, lm_value_bytes) + (c + 1) * kv_bytes_per_row(cfg, max_seq, lm_value_bytes)
+        return (weights + (c + 1) * kv_bytes_per_row(cfg, max_seq, lm_value_bytes)
                 + vw + vv + vs + activation_bytes(cfg, c, max_seq, lm_value_bytes)) / GIB + RUNTIME_RESERVE_GIB
 
     lo, hi = 0, 1
