@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from lychee_rtc.engine.lychee import random_checkpoint as rc
 from lychee_rtc.engine.lychee.checkpoint import load_model
 from lychee_rtc.engine.lychee.config import load_config, parse_config
-from lychee_rtc.engine.lychee.inventory import InventoryError, verify_model_folder
+from lychee_rtc.engine.lychee.inventory import RELEASED_TENSORS, InventoryError, verify_model_folder
 from lychee_rtc.engine.lychee.memory_plan import (
     GIB,
     activation_bytes,
@@ -121,7 +121,7 @@ def test_decision_bias_per_block_equals_the_whole_tensor_edit(tmp_path, monkeypa
 def test_the_released_layout_is_planned_without_writing_it():
     raw = tiny_config(rc.RELEASED_SPEC)
     entries = rc.checkpoint_entries(raw)
-    assert len(entries) == rc.RELEASED_TENSORS == 982
+    assert len(entries) == RELEASED_TENSORS == 982
     shapes = {e.name: e.shape for e in entries}
     assert shapes["model.embed_tokens.weight"] == shapes["merge_model.embed_tokens.weight"] == (158363, 3584)
     assert shapes["model.layers.27.self_attn.k_proj.weight"] == (512, 3584)
@@ -254,7 +254,7 @@ def test_a_layer_at_a_time_gives_the_runners_decision_and_logits(tiny):
     root = tiny / "lychee_full_duplex"
     window = (0.1 * np.random.default_rng(1).standard_normal(6400)).astype(np.float32)
     out, report = run_streamed(root, window=window)
-    assert report.positions == 9 and report.modules_loaded == 2 + 2 + 4 + 3 * 2 + 4  # blocks, norms..
+    assert report.positions == 9 and report.modules_loaded == 1 + 2 + 2 + 4 + 3 * 2 + 4  # stem, blocks, norm, adapter, layers, norms
     model = load_model(root, dtype="fp32", progress=False)
     tokenizer = Tokenizer.from_dir(root)
     tok = model.cfg.resolve_tokens(tokenizer)

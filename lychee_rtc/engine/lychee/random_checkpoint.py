@@ -37,7 +37,6 @@ from typing import Callable, Iterator
 import torch
 
 from .config import parse_config
-from .inventory import RELEASED_TENSORS
 from .model import LycheeFD, checkpoint_targets, ignored_tensors
 from .tiny import TinySpec, decision_bias_edit, random_tensor, tiny_config, write_tiny_tokenizer
 

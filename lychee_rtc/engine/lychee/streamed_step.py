@@ -23,6 +23,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,14 +32,15 @@ from torch import Tensor, nn
 
 from .audio import FEATURES_PER_WINDOW, WINDOW_SAMPLES, mel_filterbank, window_mel
 from .checkpoint import _shard_map
-from .config import LycheeConfig, load_config
+from .config import load_config
 from .decode import CHUNK
 from .model import KVCache, LycheeFD, StepContext, checkpoint_targets
+from .runner import DEFAULT_INSTRUCTIONS, SYSTEM_TEMPLATE
 from .sampling import control_decision
 from .tokenizer import Tokenizer
 
 HEAD_ROWS = 8192  # lm_head rows read at once for the full-vocabulary head (56 MiB in fp32)
-DEFAULT_SYSTEM = "<|BOT|>system\nYou are a helpful assistant.<|EOT|>"  # the runner's default prefix
+DEFAULT_SYSTEM = SYSTEM_TEMPLATE.format(instructions=DEFAULT_INSTRUCTIONS)  # the runner's default prefix
 
 
 @dataclass
@@ -123,21 +125,23 @@ class LayerLoader:
         self.reader = reader
         self.loaded = 0
 
-    def _materialise(self, module: nn.Module, prefix: str) -> None:
-        module.to_empty(device="cpu")
-        targets = {n: t for n, t in checkpoint_targets(self.model).items() if n.startswith(prefix)}
-        if not targets:
-            raise KeyError(f"no checkpoint tensor under {prefix}")
-        self.reader.load_into(targets)
-        self.loaded += 1
-
-    def run(self, module: nn.Module, prefix: str, fn):
-        self._materialise(module, prefix)
+    def run(self, fn: Callable[[], Any], *parts: tuple[nn.Module, str]) -> Any:
+        """Give each (module, checkpoint prefix) its weights, call ``fn``, drop the weights again."""
+        for module, _ in parts:
+            module.to_empty(device="cpu")
         try:
+            prefixes = tuple(prefix for _, prefix in parts)
+            targets = {n: t for n, t in checkpoint_targets(self.model).items() if n.startswith(prefixes)}
+            if not targets:
+                raise KeyError(f"no checkpoint tensor under {prefixes}")
+            self.reader.load_into(targets)
+            del targets
+            self.loaded += 1
             with torch.no_grad():
-                return fn(module)
+                return fn()
         finally:
-            module.to_empty(device="meta")
+            for module, _ in parts:
+                module.to_empty(device="meta")
             release_freed_memory()
 
 
@@ -177,20 +181,12 @@ def run_streamed(root: str | Path, *, window: np.ndarray | None = None, dtype: t
     # Audio: encoder stem, its blocks one by one, pooling and norm, adapter.
     mel, lengths = window_mel(torch.from_numpy(window)[None], mel_filterbank())
     enc = model.encoder
-    stem_names = ("conv1", "conv2", "positional_embedding")
-    x, key_mask = None, None
-    for name in stem_names:
-        getattr(enc, name).to_empty(device="cpu")
-    reader.load_into({n: t for n, t in checkpoint_targets(model).items()
-                      if n.startswith(tuple(f"encoder.{s}." for s in stem_names))})
-    with torch.no_grad():
-        x, key_mask = enc.stem(mel.to(dtype), lengths)
-    for name in stem_names:
-        getattr(enc, name).to_empty(device="meta")
+    x, key_mask = loader.run(lambda: enc.stem(mel.to(dtype), lengths), (enc.conv1, "encoder.conv1."),
+                             (enc.conv2, "encoder.conv2."), (enc.positional_embedding, "encoder.positional_embedding."))
     for i, block in enumerate(enc.blocks):
-        x = loader.run(block, f"encoder.blocks.{i}.", lambda b, x=x: b(x, key_mask))
-    x = loader.run(enc.after_norm, "encoder.after_norm.", lambda _: enc.finish(x))
-    feats = loader.run(model.adapter, "adapter.", lambda a: a(x))[0, :FEATURES_PER_WINDOW]
+        x = loader.run(lambda b=block, x=x: b(x, key_mask), (block, f"encoder.blocks.{i}."))
+    x = loader.run(lambda x=x: enc.finish(x), (enc.after_norm, "encoder.after_norm."))
+    feats = loader.run(lambda: model.adapter(x), (model.adapter, "adapter."))[0, :FEATURES_PER_WINDOW]
 
     # The input: prefix (text only), then the window's summed channels with audio at even slots.
     prefix_ids = tokenizer.encode(DEFAULT_SYSTEM)
@@ -207,20 +203,22 @@ def run_streamed(root: str | Path, *, window: np.ndarray | None = None, dtype: t
     ctx = StepContext.build(torch.arange(total)[None], None, total)
 
     def run_stack(stack, prefix: str, x: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
-        rope = ctx.rope(stack.cfg, dtype)
+        c = stack.cfg
+        rope = ctx.rope(c, dtype)
         for i in range(start, stop if stop is not None else len(stack.layers)):
-            def layer_fn(layer, x=x):
-                layer.self_attn.kv_cache = KVCache(1, stack.cfg.num_key_value_heads, total, stack.cfg.head_dim,
-                                                   dtype, "cpu")
+            layer = stack.layers[i]
+
+            def forward(layer=layer, x=x) -> Tensor:
+                layer.self_attn.kv_cache = KVCache(1, c.num_key_value_heads, total, c.head_dim, dtype, "cpu")
                 try:
                     return layer(x, rope, ctx.mask, ctx.input_pos, None)
                 finally:
                     layer.self_attn.kv_cache = None
-            x = loader.run(stack.layers[i], f"{prefix}.layers.{i}.", layer_fn)
+            x = loader.run(forward, (layer, f"{prefix}.layers.{i}."))
         return x
 
     def norm(stack, prefix: str, x: Tensor) -> Tensor:
-        return loader.run(stack.norm, f"{prefix}.norm.", lambda n: n(x))
+        return loader.run(lambda: stack.norm(x), (stack.norm, f"{prefix}.norm."))
 
     cut = sorted({cfg.stoken_branch_index, cfg.control_branch_index})
     taps: dict[int, Tensor] = {}
