@@ -153,8 +153,21 @@ def test_the_released_layout_is_required_unless_told(downloaded):
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_download_fetches_only_what_is_missing(source, tmp_path):
-    home = tmp_path / "hf"
+@pytest.mark.parametrize("into", ["cache", "dir"])
+def test_a_killed_download_fetches_only_what_is_missing(source, tmp_path, into):
+    home, target = tmp_path / "hf", tmp_path / "models"
+    where = ["--dir", str(target)] if into == "dir" else []
+
+    def arrived(path: str) -> bool:
+        if into == "dir":
+            return (target / path).exists()
+        snaps = home / "hub" / "models--HIT-TMG--Lychee-FD" / "snapshots"
+        return snaps.is_dir() and any((s / path).exists() for s in snaps.iterdir())
+
+    def partials() -> list[Path]:
+        root = target / ".cache" if into == "dir" else home / "hub" / "models--HIT-TMG--Lychee-FD" / "blobs"
+        return [p for p in root.rglob("*.incomplete")] if root.exists() else []
+
     hub = make_hub(source)
     stalled_file = "lychee_full_duplex/model-00001-of-00003.safetensors"
     hub.stall[stalled_file] = CHUNK + 1024 * 1024
@@ -162,29 +175,24 @@ def test_a_killed_download_fetches_only_what_is_missing(source, tmp_path):
         environ = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
         environ |= {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen([sys.executable, "-m", "lychee_rtc.cli", "download", "--only", "model",
-                                 "--layout", "any"], env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                 "--layout", "any", *where], env=environ, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
         try:
             others = [p for p in hub.repos[MODEL_REPO].files if p.startswith("lychee_full_duplex/")
                       and p != stalled_file]
             deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                have = [p for p in others if (home / "hub").exists() and any(
-                    (s / p).exists() for s in (home / "hub" / "models--HIT-TMG--Lychee-FD" / "snapshots").glob("*"))]
-                if hub.stalled.is_set() and len(have) == len(others):
-                    break
+            while not (hub.stalled.is_set() and all(arrived(p) for p in others) and partials()):
                 assert proc.poll() is None, proc.stderr.read().decode()
+                if time.monotonic() > deadline:
+                    pytest.fail("the first download never reached its stalled file with the others done")
                 time.sleep(0.1)
-            else:
-                pytest.fail("the first download never reached its stalled file with the others done")
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
             proc.stderr.close()
-        blobs = home / "hub" / "models--HIT-TMG--Lychee-FD" / "blobs"
-        assert [p for p in blobs.iterdir() if p.name.endswith(".incomplete")], "the kill should leave a partial file"
         first_run = len(hub.log)
         hub.stall.clear()
-        result = download(hub, home, "--only", "model", "--layout", "any")
+        result = download(hub, home, "--only", "model", "--layout", "any", *where)
     assert result.returncode == 0, result.stderr
     rerun = hub.log[first_run:]
     contents = [e.path for e in rerun if e.method == "GET" and (e.path.startswith("/cdn/") or "/resolve/" in e.path)]
@@ -192,8 +200,9 @@ def test_a_killed_download_fetches_only_what_is_missing(source, tmp_path):
     assert contents == [f"/cdn/{sha}"], contents  # the missing file, and nothing that was already there
     assert not [e for e in rerun if "/resolve/" in e.path and not e.path.endswith(stalled_file)]
     assert "of partial files an interrupted download left" in result.stderr
-    assert not [p for p in blobs.iterdir() if p.name.endswith(".incomplete")]
-    same_files(snapshot(home, MODEL_REPO) / "lychee_full_duplex", source / "lychee_full_duplex")
+    assert not partials()
+    folder = target / "lychee_full_duplex" if into == "dir" else snapshot(home, MODEL_REPO) / "lychee_full_duplex"
+    same_files(folder, source / "lychee_full_duplex")
 
 
 @pytest.mark.timeout(400)

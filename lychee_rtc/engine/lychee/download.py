@@ -99,18 +99,34 @@ def is_transient(exc: BaseException) -> bool:
 def remove_stale_partials(ref: HubFolder, local_dir: Path | None) -> int:
     """Delete partial files earlier, interrupted runs left for this repository; returns bytes freed.
 
-    A partial file is removed only when the lock its download would hold can be taken at once, so
-    a download running in another process keeps its file. Cache layout: ``blobs/<etag>.*.incomplete``
-    under the lock ``.locks/<repo>/<etag>.lock``.
+    A partial file is removed only when no running download can be writing it: in the cache, when
+    the lock of its blob (``.locks/<repo>/<etag>.lock``) can be taken at once; in a ``--dir``
+    folder, whose partial files are named by a hash, only when every download lock of that folder
+    (``DIR/.cache/huggingface/download/``) can be taken at once.
     """
+    from contextlib import ExitStack
+
     from filelock import FileLock, Timeout
     from huggingface_hub.file_download import repo_folder_name
 
+    freed = 0
     if local_dir is not None:
-        return 0  # a plain folder keeps its partials under its own .cache/; huggingface_hub replaces them
+        folder = local_dir / ".cache" / "huggingface" / "download"
+        partials = list(folder.rglob("*.incomplete")) if folder.is_dir() else []
+        if not partials:
+            return 0
+        with ExitStack() as held:
+            try:
+                for lock in folder.rglob("*.lock"):
+                    held.enter_context(FileLock(str(lock)).acquire(timeout=0))
+            except (Timeout, OSError):
+                return 0  # a download is running in this folder
+            for partial in partials:
+                freed += partial.stat().st_size
+                partial.unlink(missing_ok=True)
+        return freed
     repo = repo_folder_name(repo_id=ref.repo_id, repo_type="model")
     blobs = Path(cache_dir()) / repo / "blobs"
-    freed = 0
     for partial in blobs.glob("*.incomplete"):
         etag = partial.name.split(".", 1)[0]
         lock = FileLock(str(Path(cache_dir()) / ".locks" / repo / f"{etag}.lock"))
