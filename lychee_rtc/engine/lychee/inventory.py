@@ -22,8 +22,7 @@ from .checkpoint import INDEX_FILE, CheckpointError, check_inventory, expected_i
 from .config import ConfigError, LycheeConfig, load_config
 from .model import LycheeFD
 
-# safetensors dtype names of the config's torch_dtype values
-_SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # safetensors' names
 
 
 class InventoryError(ValueError):
@@ -37,7 +36,7 @@ class ModelFolderReport:
     bytes: int
     tensors: int  # in the shards, side tables included
     params: int  # parameters the model loads (side tables excluded)
-    dtype: str  # the one safetensors dtype of every tensor
+    dtype: str  # the tensors' safetensors dtype ("BF16"), or the mix ("980 BF16 + 2 F32")
     layout: str  # "released" or a description of the dimensions
 
 
@@ -93,18 +92,15 @@ def verify_model_folder(root: str | Path, *, released: bool = True, tokenizer: b
     files += shards + ([INDEX_FILE] if (root / INDEX_FILE).is_file() else [])
     if released and len(inventory) != RELEASED_TENSORS:  # cannot differ once the layout matched
         raise InventoryError(f"{root}: {len(inventory)} tensors, the release has {RELEASED_TENSORS}")
-    dtypes = Counter(inventory.dtypes.values())
-    if len(dtypes) != 1:
-        odd = min(dtypes, key=dtypes.__getitem__)
-        names = sorted(n for n, d in inventory.dtypes.items() if d == odd)
-        raise InventoryError(f"{root}: tensors of more than one dtype ({dict(dtypes)}): {odd} in "
-                             f"{', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
-    dtype = next(iter(dtypes))
-    if dtype not in ("BF16", "F16", "F32"):
-        raise InventoryError(f"{root}: weights stored as {dtype}; expected BF16, F16 or F32")
-    want = _SAFETENSORS_DTYPE.get(str(cfg.torch_dtype))
-    if want is not None and want != dtype:
-        raise InventoryError(f"{root}: config.json says torch_dtype {cfg.torch_dtype}, the shards hold {dtype}")
+    # Any float dtype the loader converts from; the release's own is not documented, so a mix (say,
+    # an fp32 encoder beside bf16 decoder stacks) is reported, not refused.
+    odd = sorted(n for n, d in inventory.dtypes.items() if d not in FLOAT_DTYPES)
+    if odd:
+        raise InventoryError(f"{root}: tensors the loader cannot read as weights: "
+                             + ", ".join(f"{n} ({inventory.dtypes[n]})" for n in odd[:4])
+                             + (f" and {len(odd) - 4} more" if len(odd) > 4 else ""))
+    counts = Counter(inventory.dtypes.values())
+    dtype = " + ".join(f"{d}" if len(counts) == 1 else f"{n} {d}" for d, n in counts.most_common())
     if tokenizer:
         _check_tokenizer(root, cfg)
     params = sum(_numel(s) for n, s in expected.items() if "embed_tokens" not in n or n.startswith("model."))
