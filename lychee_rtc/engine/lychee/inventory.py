@@ -79,7 +79,8 @@ def verify_model_folder(root: str | Path, *, released: bool = True, tokenizer: b
         raise InventoryError(str(exc)) from None
     if released and not is_released_layout(cfg):
         raise InventoryError(f"{root / 'config.json'}: {describe_layout(cfg)} is not the released layout "
-                             f"({RELEASED_LAYOUT}: {RELEASED_TENSORS} tensors)")
+                             f"({RELEASED_LAYOUT}: {RELEASED_TENSORS} tensors); --layout any accepts another "
+                             f"consistent one")
     files = ["config.json"] + _tokenizer_files(root)
     with torch.device("meta"):
         model = LycheeFD(cfg)

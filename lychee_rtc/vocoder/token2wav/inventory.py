@@ -102,7 +102,8 @@ def verify_token2wav_folder(folder: str | Path, *, released: bool = True) -> Voc
         for file, (n, params) in counts.items():
             if (n, params) != RELEASED[file]:
                 raise CheckpointError(f"{folder / file}: {n} tensors with {params:,} parameters; the release has "
-                                      f"{RELEASED[file][0]} with {RELEASED[file][1]:,}")
+                                      f"{RELEASED[file][0]} with {RELEASED[file][1]:,} (--layout any accepts "
+                                      f"another consistent one)")
     size = sum((folder / n).stat().st_size for n in FILES)
     layout = "released" if all(counts[f] == RELEASED[f] for f in RELEASED) else "other"
     return VocoderFolderReport(str(folder), len(FILES), size, *counts["flow.pt"], *counts["hift.pt"], layout)
