@@ -28,6 +28,8 @@ import torch
 
 from lychee_rtc.vocoder.token2wav.voices import BUILTIN_VOICE
 
+from .hub import HubReferenceError, resolve_folder
+
 
 class VocoderSettingsError(ValueError):
     pass
@@ -54,8 +56,6 @@ class Token2WavSettings:
                 raise VocoderSettingsError(f"{prefix}.{key}: unknown key")
         if "folder" not in data:
             raise VocoderSettingsError(f"{prefix}.folder: required")
-        from .hub import HubReferenceError, resolve_folder
-
         try:  # a folder, or an hf:// reference found in the Hugging Face cache
             folder = resolve_folder(str(data["folder"]), f"{prefix}.folder", "token2wav")
         except HubReferenceError as exc:
