@@ -332,8 +332,12 @@ async def test_calls_spread_over_workers_media_goes_direct_and_follow_ups_are_ro
                 assert r.status == 412  # the worker's own answer, passed through
             async with http.delete(entry.url + location) as r:
                 assert r.status == 200
-            async with http.get(f"{entry.url}/v1/sessions/{whip_id}") as r:
+            # Gone: its own secret (the WHIP resource id) finds nothing; with no credential, nothing is looked up.
+            async with http.get(f"{entry.url}/v1/sessions/{whip_id}",
+                                headers={"Authorization": f"Bearer {location.rsplit('/', 1)[1]}"}) as r:
                 assert r.status == 404
+            async with http.get(f"{entry.url}/v1/sessions/{whip_id}") as r:
+                assert r.status == 401
             for unknown in ("sess_w9-0011223344556677", "sess_0011223344556677", "nonsense"):
                 async with http.get(f"{entry.url}/v1/sessions/{unknown}") as r:
                     assert r.status == 404 and (await r.json())["error"]["code"] == "session_not_found"
@@ -434,7 +438,7 @@ async def test_a_killed_worker_ends_its_calls_only_and_comes_back(entry: Entry):
         # The killed worker's call has ended for its client: no more media, the connection fails.
         await wait_until(lambda: b.pc.connectionState in ("failed", "closed"), 90,
                          "the killed worker's call to fail at its client (ICE consent)")
-        status, _, data, _ = await _get(f"{entry.url}/v1/sessions/{b.session_id}")
+        status, _, data, _ = await _get(f"{entry.url}/v1/sessions/{b.session_id}", b.auth_headers)
         assert status == 404, data
         _, _, _, metrics = await _get(entry.url + "/metrics")
         assert re.search(rf'^lychee_rtc_cluster_worker_restarts_total\{{worker="{victim}"\}} [1-9]'.encode(),
