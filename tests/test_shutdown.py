@@ -21,6 +21,7 @@ from conftest import free_port, running_server, wait_until
 from log_guard import offending_lines
 from recording_support import decode
 from lychee_rtc.bench.client import RtcClient
+from lychee_rtc.rtc.consent import ice_connections
 from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,3 +213,29 @@ async def ready(url: str) -> bool:
                 return resp.status == 200
     except aiohttp.ClientError:
         return False
+
+
+async def test_shutdown_waits_for_a_call_whose_transport_is_still_closing():
+    """A call already out of the registry but still closing its transport (its last events cannot be
+    delivered to a peer that vanished: up to a second) when shutdown begins is waited for: its peer
+    connection is closed before the server stops, not cut off with the event loop (which left
+    aiortc's own close task pending: "Task was destroyed but it is pending")."""
+    client = RtcClient("")
+    async with running_server() as (url, app):
+        client.base_url = url
+        await client.connect()
+        await client.wait_event("session.created", timeout=30)
+        registry = app[REGISTRY_KEY]
+        call = registry.calls[client.session_id]
+        for connection in ice_connections(client.pc):  # the peer goes quiet: nothing it is sent arrives
+            for protocol in connection._protocols:
+                if protocol.transport is not None:
+                    protocol.transport.close()
+        for _ in range(50):
+            call.session.emit("error", error={"type": "x", "code": "x", "message": "x" * 1000})  # undeliverable
+        closing = asyncio.ensure_future(registry.close(client.session_id, "deleted"))
+        await wait_until(lambda: client.session_id not in registry.calls, 30, "the teardown to begin")
+        assert not closing.done()  # still waiting for its last events to go out
+    assert closing.done()
+    assert call.pc.signalingState == "closed" and call.pc.connectionState == "closed"
+    await client.close()

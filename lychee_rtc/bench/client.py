@@ -23,7 +23,8 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 from aiortc.mediastreams import MediaStreamError
 
 from lychee_rtc.rtc.codec_threads import limit_codec_threads
-from lychee_rtc.rtc.peer import quiet_sends_after_close
+from lychee_rtc.aio import cancel_and_wait
+from lychee_rtc.rtc.peer import close_peer, quiet_sends_after_close
 from lychee_rtc.pcm import FrameResampler
 
 RATE = 48000
@@ -336,6 +337,5 @@ class RtcClient:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await self.pc.close()
+        await cancel_and_wait(self._tasks, 5.0)
+        await close_peer(self.pc, 30.0)

@@ -50,6 +50,9 @@ class CallRegistry:
         self.calls: dict[str, Call] = {}
         self.recording_of: dict[str, CallRecording] = {}
         self._reserved = 0
+        # Calls out of the registry whose transport is still closing: shutdown waits for them too, so
+        # no peer connection is left open (and no task of it pending) when the loop ends.
+        self._closing: set[asyncio.Future] = set()
         self.closing = False  # set at shutdown: no new sessions
         # Put in every session id; a cluster worker sets its worker id here so that an entry can
         # route a session's follow-up requests from the id alone.
@@ -251,6 +254,15 @@ class CallRegistry:
     async def _teardown(self, call: Call, reason: str) -> None:
         if not self._remove(call, reason):
             return
+        done = asyncio.get_running_loop().create_future()
+        self._closing.add(done)
+        try:
+            await self._close_call(call, reason)
+        finally:
+            self._closing.discard(done)
+            done.set_result(None)
+
+    async def _close_call(self, call: Call, reason: str) -> None:
         log.info("session %s closed: %s", call.session.id, reason)
         self._fold_counters(call)
         self.metrics.active_sessions.set(len(self.calls))
@@ -276,13 +288,13 @@ class CallRegistry:
         if deadline is None:
             deadline = loop.time() + self.settings.server.shutdown_grace_s
         graceful_until = deadline - min(FORCED_CLOSE_S, max(0.0, deadline - loop.time()) / 2)
-        while (self.calls or self._reserved) and loop.time() < graceful_until:
+        while (self.calls or self._reserved or self._closing) and loop.time() < graceful_until:
             remaining = graceful_until - loop.time()
             # Each close is awaited as a task: a call that is already closing is waited for (not
             # skipped in a loop that never yields, which would starve the teardown it waits on).
             closing = [asyncio.ensure_future(self.close(session_id, reason)) for session_id in list(self.calls)]
-            if closing:
-                await asyncio.wait(closing, timeout=remaining)
+            if closing or self._closing:  # and the calls whose transport was closing already
+                await asyncio.wait([*closing, *self._closing], timeout=remaining)
             else:  # offers still being answered: they are closed as soon as they finish
                 await asyncio.sleep(min(0.05, remaining))
         stuck = list(self.calls.values())

@@ -23,7 +23,7 @@ async def abandon_peer(pc: RTCPeerConnection) -> None:
     transports that do exist are then stopped one by one, so no ICE or DTLS state outlives the offer.
     """
     try:
-        await asyncio.wait_for(pc.close(), CLOSE_TIMEOUT_S)
+        await close_peer(pc, CLOSE_TIMEOUT_S)
         return
     except Exception as exc:  # aiortc's close is not safe on a half-negotiated connection
         log.debug("peer connection did not close cleanly (%r); stopping its transports", exc)
@@ -44,6 +44,16 @@ async def abandon_peer(pc: RTCPeerConnection) -> None:
             except Exception as exc:
                 log.debug("transport %r did not stop: %r", transport, exc)
     pc.remove_all_listeners()
+
+
+async def close_peer(pc: RTCPeerConnection, timeout_s: float) -> None:
+    """``pc.close()``, and aiortc's own close of the same peer when it started one first (its DTLS
+    transports all closed under it): both are over when this returns, so no close is left pending
+    with nothing to await it. ``asyncio.TimeoutError`` after ``timeout_s``."""
+    await asyncio.wait_for(pc.close(), timeout_s)
+    own = getattr(pc, "_RTCPeerConnection__closeTask", None)
+    if isinstance(own, asyncio.Task) and not own.done():
+        await asyncio.wait_for(asyncio.shield(own), timeout_s)
 
 
 def _is_connect_of_a_closed_peer(context: dict[str, Any]) -> bool:
