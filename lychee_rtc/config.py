@@ -142,6 +142,9 @@ class AudioProcessingSettings(_Section):
     whip: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))
     sip: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))  # the SIP gateway's legs
     carrier: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))  # media streams
+    # Audio in WebSocket events (the OpenAI Realtime and vLLM-Omni dialects): the application
+    # captured and cleaned it; when the listener hears the answer is not known here.
+    websocket: AudioProcessing = Field(default_factory=AudioProcessing)
 
     def for_ingress(self, ingress: str) -> AudioProcessing:
         return getattr(self, ingress)
@@ -226,6 +229,29 @@ class TelephonySettings(_Section):
         if (self.exotel.username is None) != (self.exotel.password is None):
             raise ValueError("telephony.exotel needs both username and password")
         return self
+
+
+class WebSocketSettings(_Section):
+    """The realtime WebSocket (``GET /v1/realtime``, ``/v1/duplex``): audio in JSON events.
+
+    Every bound here is per socket (docs/websocket.md says what happens at each)."""
+
+    # The largest frame a client may send: OpenAI's 15 MiB append and its envelope. Larger: closed 1009.
+    max_frame_bytes: int = Field(16 << 20, ge=64 << 10, le=64 << 20)
+    # Appended audio waiting for the engine; while this much waits, the socket is not read.
+    max_pending_input_s: float = Field(256.0, ge=1.0, le=3600.0)
+    # The send queue: a client that stops reading until this fills is closed (1008).
+    queue_events: int = Field(4096, ge=64, le=1 << 20)
+    queue_bytes: int = Field(8 << 20, ge=1 << 20, le=256 << 20)
+    # Answer audio moved into the send queue ahead of the client; the rest waits in the playout buffer.
+    audio_ahead_bytes: int = Field(512 << 10, ge=16 << 10, le=64 << 20)
+    # No client message for this long after the upgrade (never configured), or since the last one: closed (1008).
+    first_message_timeout_s: float = Field(20.0, gt=0, le=3600)
+    idle_timeout_s: float = Field(300.0, gt=0, le=86400)
+    # WebSocket pings: a peer that answers none within half of this is gone (a vanished client).
+    heartbeat_s: float = Field(20.0, ge=1, le=600)
+    # vLLM-Omni's dialect: events kept for a resume, as compact JSON bytes (beyond: journal_overflow).
+    journal_bytes: int = Field(8 << 20, ge=64 << 10, le=256 << 20)
 
 
 class MetricsSettings(_Section):
@@ -358,6 +384,7 @@ class Settings(_Section):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     telephony: TelephonySettings = Field(default_factory=TelephonySettings)
+    websocket: WebSocketSettings = Field(default_factory=WebSocketSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     recording: RecordingSettings = Field(default_factory=RecordingSettings)
 

@@ -24,7 +24,7 @@ from lychee_rtc.engine.base import (AudioChunk, BargeIn, CodecTokens, Control, C
                                     EngineError, EngineEvent, ResponseDone, ResponseStarted, SessionOptions,
                                     SpeechStarted, SpeechStopped, TextDelta, TurnState, WindowTiming)
 from lychee_rtc.engine.scheduler import EngineSlot
-from lychee_rtc.session.clock import Window, WindowClock
+from lychee_rtc.session.clock import StreamClock, Window, WindowClock
 from lychee_rtc.session.event_stream import EventChannel, EventStream
 from lychee_rtc.session.message_rate import MessageRate
 from lychee_rtc.session.observer import SessionCounters, SessionObserver
@@ -60,7 +60,10 @@ class DuplexSession:
         metrics_enabled: bool = False,
         origin: dict[str, Any] | None = None,
         processing: UplinkProcessing | None = None,
+        stream_input: bool = False,
     ) -> None:
+        """``stream_input``: the uplink has no timestamps (a WebSocket's appended audio); its own
+        samples drive the window clock (``StreamClock``) instead of wall-clock deadlines."""
         caps = slot.capabilities
         self.id = session_id
         self.settings = settings
@@ -83,7 +86,13 @@ class DuplexSession:
         self.processing = processing
         self.created_at = clock()
         self.counters = SessionCounters()
-        self.window_clock = WindowClock(caps.window_samples, caps.input_rate, settings.window_grace_ms / 1000.0)
+        grace = settings.window_grace_ms / 1000.0
+        # Input a transport holds back until the engine has room for it (see ``wait_input_room``).
+        self.input_waiting: Callable[[], bool] = lambda: False
+        self.window_clock: WindowClock = (
+            StreamClock(caps.window_samples, caps.input_rate, grace,
+                        busy=lambda: self.slot.pending > 0 or self.input_waiting())
+            if stream_input else WindowClock(caps.window_samples, caps.input_rate, grace))
         self.uplink = WindowInput(self.window_clock, self._push_window, clock)
         self.closed = False
         self.close_reason: str | None = None
@@ -226,6 +235,15 @@ class DuplexSession:
     @property
     def last_audio_at(self) -> float | None:
         return self.uplink.last_audio_at
+
+    def has_input_room(self) -> bool:
+        """Whether the engine takes another window of this session's input now, without dropping one."""
+        return self.slot.has_room()
+
+    async def wait_input_room(self) -> None:
+        """Until ``has_input_room``: a transport with input to spare (audio sent faster than real
+        time) feeds it at the engine's pace instead of letting the slot drop windows."""
+        await self.slot.wait_room()
 
     def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
         if self.closed:
