@@ -91,3 +91,79 @@ class RawSocket:
     async def close(self) -> None:
         await self.ws.close()
         await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class TcpRelay:
+    """A TCP relay in front of a server whose connections the test can cut, as a network drops them."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.accepted = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> "TcpRelay":
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {client_writer, server_writer}
+        pumps = [asyncio.ensure_future(self._pump(client_reader, server_writer)),
+                 asyncio.ensure_future(self._pump(server_reader, client_writer))]
+        self._tasks.update(pumps)
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        for writer in (client_writer, server_writer):
+            writer.close()
+
+    @staticmethod
+    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+
+    def sever(self) -> None:
+        """Cut every connection through the relay at once, both ways (no close handshake)."""
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.sever()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def load_duplex_client():
+    """vLLM-Omni 0.30.0's own duplex client module, from its package as installed without its
+    dependencies by ``make install-test``: the package's ``__init__`` imports vLLM (and needs a GPU),
+    the client module needs only pybase64 and websockets, so a bare ``vllm_omni`` package object is
+    registered with the installed folder as its path and the module is imported from it, unchanged."""
+    import importlib
+    import os
+    import sys
+    import types
+    from pathlib import Path
+
+    from strict import unavailable
+
+    root = Path(os.environ.get("CLIENT_VENVS", Path(__file__).resolve().parent.parent / ".venv-clients"))
+    package = root / "vllm-omni" / "vllm_omni"
+    if not (package / "clients" / "duplex.py").is_file():
+        unavailable(f"vLLM-Omni's package is not at {package}: `make install-test` fetches it")
+    if "vllm_omni" not in sys.modules:
+        bare = types.ModuleType("vllm_omni")
+        bare.__path__ = [str(package)]
+        sys.modules["vllm_omni"] = bare
+    return importlib.import_module("vllm_omni.clients.duplex")

@@ -111,6 +111,8 @@ class DuplexSession:
         self.on_hold = False  # a phone call put on hold: the engine hears nothing and says nothing
         # The call's recording, when the server records (calls.recording); None: it never can.
         self.recording: RecordingControl | None = None
+        # Told of every window the engine stepped (a dialect reporting the model's decisions by them).
+        self.window_listeners: list[Callable[[WindowTiming], None]] = []
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -558,6 +560,8 @@ class DuplexSession:
                       audio_end_ms=1000.0 * ev.sample / self.capabilities.input_rate)
         elif isinstance(ev, WindowTiming):
             self.observer.window_timing(ev)
+            for listener in list(self.window_listeners):
+                listener(ev)
             if self.metrics_enabled:
                 extra = {}
                 if self.responses.first_audio_ms is not None:

@@ -32,11 +32,10 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 UNMETERED = frozenset({"input_audio_buffer.append"})
 
 
-@lru_cache(maxsize=1)
-def client_catalogue() -> dict[str, str | None]:
-    """GA client event type -> None (handled) or the reason it is refused, from the schema."""
+@lru_cache(maxsize=4)
+def client_catalogue(prefix: str = "oai.client.") -> dict[str, str | None]:
+    """A dialect's client event types -> None (handled) or the reason it is refused, from the schema."""
     defs = load_schema()["$defs"]
-    prefix = "oai.client."
     return {k[len(prefix):]: v.get("x-refused") for k, v in defs.items() if k.startswith(prefix)}
 
 
@@ -57,6 +56,9 @@ class ClientEvents:
     """The input half of ``RealtimeTranslator``, whose state it uses (declared here)."""
 
     max_message_bytes = MAX_MESSAGE_BYTES
+    schema_prefix = "oai.client."  # where the dialect's client events are defined in the schema
+    unmetered = UNMETERED  # events (over a socket) that do not count against the message rate
+    aliases: dict[str, str] = {}  # other names a dialect accepts for its events
     session: DuplexSession
     profile: RealtimeProfile
     socket: Any  # dialect.SocketSide, or None on a data channel
@@ -73,7 +75,8 @@ class ClientEvents:
     def handle_message(self, raw: str | bytes) -> None:
         try:
             data, etype = decode_event(raw, self.max_message_bytes)
-            if (etype not in UNMETERED or self.socket is None) and not self.session.admit_message():
+            etype = self.aliases.get(etype, etype)
+            if (etype not in self.unmetered or self.socket is None) and not self.session.admit_message():
                 return
             self._dispatch(data, etype)
         except ProtocolError as err:
@@ -104,11 +107,11 @@ class ClientEvents:
             self.socket.uplink.then(run)
 
     def _dispatch(self, data: dict[str, Any], etype: str) -> None:
-        catalogue = client_catalogue()
+        catalogue = client_catalogue(self.schema_prefix)
         event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
         if etype not in catalogue:
             raise ProtocolError("unknown_event", f"unknown event type {etype!r}", event_id)
-        check_event(f"oai.client.{etype}", data, etype)
+        check_event(f"{self.schema_prefix}{etype}", {**data, "type": etype}, etype)
         refused = catalogue[etype]
         if refused is not None and (self.socket is None or etype != "input_audio_buffer.append"):
             raise ProtocolError("unsupported_event", f"{etype} is not supported by this server: {refused}", event_id)

@@ -221,6 +221,22 @@ class RealtimeTranslator(ClientEvents):
             state = self._announce(rid)
         return state
 
+    def _delta_fields(self, state: _Response, samples: int) -> dict[str, Any]:
+        """What a dialect adds to an audio delta (nothing, in GA's)."""
+        return {}
+
+    def _done_details(self, status: str, reason: str | None) -> dict[str, Any] | None:
+        """``status_details`` of an ended response: GA names only a few reasons."""
+        if status == "completed":
+            return None
+        details: dict[str, Any] = {"type": status}
+        if reason in GA_REASONS:
+            details["reason"] = GA_REASONS[reason]
+        return details
+
+    def _after_done(self, rid: str, state: _Response, status: str, reason: str | None) -> None:
+        """Called once a response's end has been said (a dialect may add its own events)."""
+
     def _announce(self, rid: str) -> _Response:
         if self._speech_said:  # the model took the floor: the user's turn is over for it
             self._close_user_turn(self._user_item or f"item_in{self._input_ms()}", self._input_ms())
@@ -257,10 +273,12 @@ class RealtimeTranslator(ClientEvents):
         if state is None or self.socket is None:
             return False
         data = self.socket.encoder.encode(pcm, self.socket.output_format)
-        if not self._out("response.output_audio.delta", epoch=epoch, response_id=rid, item_id=state.item_id,
-                         output_index=0, content_index=0, delta=encode_base64(data)):
-            return False
         state.sent_samples += len(pcm)
+        if not self._out("response.output_audio.delta", epoch=epoch, response_id=rid, item_id=state.item_id,
+                         output_index=0, content_index=0, delta=encode_base64(data),
+                         **self._delta_fields(state, len(pcm))):
+            state.sent_samples -= len(pcm)
+            return False
         return True
 
     def _on_output_audio_buffer_started(self, ev: dict[str, Any]) -> None:
@@ -301,12 +319,9 @@ class RealtimeTranslator(ClientEvents):
         self._out("response.content_part.done", **pos, part={"type": "audio", "transcript": transcript})
         self._out("response.output_item.done", response_id=rid, output_index=0, item=item)
         self._out("conversation.item.done", item=item, previous_item_id=state.previous_item_id)
-        details = None
-        if status != "completed":
-            details = {"type": status}
-            if reason in GA_REASONS:
-                details["reason"] = GA_REASONS[reason]
-        self._out("response.done", response=self._response(rid, state, status, details, [item]))
+        self._out("response.done", response=self._response(rid, state, status, self._done_details(status, reason),
+                                                           [item]))
+        self._after_done(rid, state, status, reason)
         if self._held_speech is not None:  # spoken over an answer that has now ended: the user's turn
             self._say_speech_started(*self._held_speech)
 

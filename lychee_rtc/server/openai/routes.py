@@ -44,7 +44,6 @@ from lychee_rtc.server.openai.client_secrets import (
     SessionTooLarge,
     is_client_secret,
 )
-from lychee_rtc.server.http import Handler
 from lychee_rtc.server.openai.dialect import RealtimeTranslator
 from lychee_rtc.server.openai.session_config import (
     RealtimeProfile,
@@ -76,7 +75,7 @@ class RealtimeSurface:
     sockets: SocketCalls
     sidebands: dict[str, int] = field(default_factory=dict)  # call id -> open sideband sockets
     gateway: Any = None  # the SIP gateway (JanusSipGateway), when one is configured: SIP call control
-    duplex: Handler | None = None  # vLLM-Omni's dialect of the socket, when the server speaks it
+    duplex: Any = None  # vLLM-Omni's dialect of the socket (server.duplex.route.DuplexSockets)
 
 
 REALTIME_KEY = web.AppKey("realtime", RealtimeSurface)
@@ -352,7 +351,7 @@ async def realtime_socket(request: web.Request) -> web.StreamResponse:
     if query.duplex:
         if surface.duplex is None:
             return error(404, "not_found", "this server does not speak the duplex dialect")
-        return await surface.duplex(request)
+        return await surface.duplex.handle(request, query, secret)
     return await serve_openai_socket(request, surface.settings, surface.profile, surface.sockets, query, secret)
 
 
