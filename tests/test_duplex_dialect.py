@@ -9,8 +9,7 @@ import asyncio
 import base64
 
 import aiohttp
-import numpy as np
-from conftest import PATIENT_WINDOWS, free_port, running_server, synthesize, wait_until
+from conftest import PATIENT_WINDOWS, running_server, synthesize, wait_until
 
 from lychee_rtc.server.app import REGISTRY_KEY
 from realtime_ws_support import (RawSocket, TcpRelay, echo_similarity, from_pcm16, load_duplex_client, resample,

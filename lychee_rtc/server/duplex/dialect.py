@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import itertools
 import secrets
-from dataclasses import asdict
 from typing import Any
 
 from lychee_rtc.engine.base import EngineCapabilities, WindowTiming
