@@ -16,6 +16,7 @@ import logging
 import os
 import wave
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -193,3 +194,57 @@ async def test_livekit_agents_converses_and_is_interrupted(tmp_path):
 
 def resample_to(samples: np.ndarray) -> np.ndarray:
     return resample(samples, 16000, RATE)
+
+
+# --- LiveKit with lychee-rtc as a full-duplex model (integrations/livekit) ----------------------------
+
+
+async def livekit_duplex(tmp_path: Path, **session: Any) -> tuple[dict, np.ndarray, np.ndarray]:
+    python = client_python("livekit")
+    question, over, question_wav, over_wav = spoken(tmp_path)
+    async with running_server(session={**PATIENT_WINDOWS, **session}) as (url, app):
+        result = await run_driver(python, "livekit_driver.py", [
+            "--url", url, "--question", question_wav, "--interjection", over_wav, "--mode", "duplex",
+            "--integration", str(ROOT / "integrations" / "livekit"), "--interject-after-s", "1"],
+            tmp_path / "livekit-duplex.json")
+        await wait_until(lambda: not app[REGISTRY_KEY].calls, 10, "the slot to be freed")
+    assert result["outcome"] == "ok" and result["problems"] == [], result["log"][-3000:]
+    assert not [e for e in result["raw"] if e["type"] == "error"]
+    return result, resample_to(question), resample_to(over)
+
+
+async def test_livekit_runs_lychee_as_a_full_duplex_model_that_yields_by_itself(tmp_path):
+    """The model (here the echo engine's barge-in) cuts its answer; LiveKit neither cancels nor
+    truncates anything itself, and stops playing the answer where the model stopped it."""
+    result, question, over = await livekit_duplex(tmp_path)
+    raw = result["raw"]
+    cut = next(e for e in raw if e["type"] == "response.done")
+    assert cut["response"]["status_details"] == {"type": "cancelled", "reason": "barge_in"}  # the model's own
+    assert "conversation.item.truncated" not in [e["type"] for e in raw]  # the client truncated nothing
+    first, second = result["segments"][0], result["segments"][-1]
+    sent_first = sum(len(base64.b64decode(e["delta"])) for e in raw if e["type"] == "response.output_audio.delta"
+                     and e["response_id"] == cut["response"]["id"])
+    heard_first = from_pcm16(base64.b64decode(first["captured"]))
+    # What played of the first answer is what the server sent of it before the cut, and it is
+    # far short of the whole answer: the rest was never said.
+    assert first["played_bytes"] <= sent_first and len(heard_first) < 0.6 * len(question)
+    assert echo_similarity(question[:len(heard_first)], heard_first) > 0.5
+    heard_second = from_pcm16(base64.b64decode(second["captured"]))
+    assert len(heard_second) > 0.7 * len(over) and echo_similarity(over, heard_second) > 0.7
+
+
+async def test_livekit_with_the_full_duplex_model_keeps_talking_over_the_user_when_the_model_does(tmp_path):
+    """Overlapping speech: without server barge-in the model goes on while the user talks (the
+    echo engine turns to the newer utterance only once it has ended), and LiveKit plays it on,
+    as a full-duplex model means it; then the answer to the interjection, as a generation of its own."""
+    result, question, over = await livekit_duplex(tmp_path, vad_barge_in=False)
+    first, second = result["segments"][0], result["segments"][-1]
+    heard_first = from_pcm16(base64.b64decode(first["captured"]))
+    assert first["interrupted"] is False and first["played_bytes"] == len(base64.b64decode(first["captured"]))
+    # It played on through the whole interjection, said after its first second.
+    assert len(heard_first) > RATE * 1.0 + 0.8 * len(over)
+    assert echo_similarity(question[:len(heard_first)], heard_first) > 0.8
+    dones = [e for e in result["raw"] if e["type"] == "response.done"]
+    assert dones[0]["response"]["status_details"]["reason"] == "new_response"
+    heard_second = from_pcm16(base64.b64decode(second["captured"]))
+    assert len(heard_second) > 0.7 * len(over) and echo_similarity(over, heard_second) > 0.7

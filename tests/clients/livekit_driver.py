@@ -130,9 +130,9 @@ async def wait_for(condition, timeout: float, what: str) -> None:
 def model_for(args: argparse.Namespace):
     if args.mode == "duplex":
         sys.path.insert(0, args.integration)
-        from lychee_livekit import LycheeRealtimeModel  # the integration module, as a user copies it
+        from lychee_livekit import LycheeDuplexModel  # lychee-rtc's integration, as a user installs it
 
-        return LycheeRealtimeModel(base_url=args.url, api_key="local")
+        return LycheeDuplexModel(base_url=args.url, api_key="local")
     return realtime.RealtimeModel(base_url=args.url, api_key="local", model="lychee-fd",
                                   turn_detection=ServerVad(type="server_vad", create_response=True,
                                                            interrupt_response=True),
@@ -147,6 +147,8 @@ async def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--mode", choices=("openai", "duplex"), default="openai")
     parser.add_argument("--integration", default="", help="folder of lychee_livekit.py (duplex mode)")
+    parser.add_argument("--interject-after-s", type=float, default=4.0,
+                        help="how much of the first answer plays before the user talks over it")
     args = parser.parse_args()
 
     problems: list[str] = []
@@ -161,7 +163,10 @@ async def main() -> int:
     mic, speaker = Microphone(), Loudspeaker()
     model = model_for(args)
     # The loudspeaker cannot pause, so a false interruption cannot be resumed (LiveKit warns otherwise).
-    session = AgentSession(llm=model, resume_false_interruption=False)
+    options = {"resume_false_interruption": False}
+    if args.mode == "duplex":  # a full-duplex model must hear the user while it speaks (no AEC warm-up)
+        options["aec_warmup_duration"] = None
+    session = AgentSession(llm=model, **options)
     session.input.audio = mic
     session.output.audio = speaker
     agent = Agent(instructions="Answer briefly.")
@@ -173,12 +178,15 @@ async def main() -> int:
     outcome = "ok"
     try:
         await session.start(agent=agent)
-        agent.realtime_llm_session.on("openai_server_event_received", raw.append)
+        if args.mode == "duplex":
+            agent.duplex_session.event_listeners.append(raw.append)
+        else:
+            agent.realtime_llm_session.on("openai_server_event_received", raw.append)
         mic.say(read_wav(args.question))
         # LiveKit hears nothing of the user for its AEC warm-up (3 s) after the agent starts
-        # speaking, so the interjection comes later than that.
-        await wait_for(lambda: speaker.segments and speaker.segments[0]["played"] > 4 * OUT_RATE * 2, 60,
-                       "four seconds of the first answer to play")
+        # speaking, unless it is turned off: the interjection comes later than that.
+        await wait_for(lambda: speaker.segments and speaker.segments[0]["played"] > args.interject_after_s * OUT_RATE * 2,
+                       60, "the first answer to play")
         mic.say(read_wav(args.interjection))
         await wait_for(lambda: mic.idle, 30, "the interjection to be said")
         said = len(speaker.segments)
