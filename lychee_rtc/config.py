@@ -249,7 +249,10 @@ class WebSocketSettings(_Section):
     first_message_timeout_s: float = Field(20.0, gt=0, le=3600)
     idle_timeout_s: float = Field(300.0, gt=0, le=86400)
     # WebSocket pings: a peer that answers none within half of this is gone (a vanished client).
-    heartbeat_s: float = Field(20.0, ge=1, le=600)
+    heartbeat_s: float = Field(20.0, ge=0.2, le=600)
+    # The kernel's send buffer of each socket (SO_SNDBUF), so what a client does not read stays in
+    # the bounded queue above, where it is counted, instead of in the kernel.
+    send_buffer_bytes: int = Field(256 << 10, ge=4096, le=16 << 20)
     # vLLM-Omni's dialect: events kept for a resume, as compact JSON bytes (beyond: journal_overflow).
     journal_bytes: int = Field(8 << 20, ge=64 << 10, le=256 << 20)
 

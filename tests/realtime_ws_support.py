@@ -100,6 +100,7 @@ class TcpRelay:
         self.target_port = target_port
         self.port = 0
         self.accepted = 0
+        self.frozen = False
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -120,14 +121,19 @@ class TcpRelay:
         for writer in (client_writer, server_writer):
             writer.close()
 
-    @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while data := await reader.read(65536):
+                if self.frozen:
+                    continue  # swallowed: the network stopped carrying anything
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
+
+    def freeze(self) -> None:
+        """Carry nothing more either way, without closing anything: a peer gone silent."""
+        self.frozen = True
 
     def sever(self) -> None:
         """Cut every connection through the relay at once, both ways (no close handshake)."""

@@ -416,3 +416,75 @@ async def test_the_tiny_lychee_fd_model_answers_over_the_socket(tiny_lychee):
     assert len(heard) and np.isfinite(heard).all() and np.abs(heard).max() > 0
     assert not [e for e in seen if e["type"] == "error"]
     assert_ga_events_valid(seen)
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_costs_bounded_memory():
+    """The client sends and never reads (a socket of its own, its kernel buffer small): the
+    server's kernel buffer is kept small too, its send queue fills, and the socket is dropped with
+    the slot freed; what the server held was bounded all along."""
+    async with running_server(websocket={"queue_events": 64, "queue_bytes": 1 << 20,
+                                         "send_buffer_bytes": 4096}) as (url, app):
+        writer = await silent_reader(int(url.rsplit(":", 1)[1]), "/v1/realtime")
+        try:
+            for i in range(100):  # each is answered with the session's object, 16 kB long, nobody reads
+                writer.write(masked_text(json.dumps({"type": "session.update", "session": {
+                    "type": "realtime", "instructions": f"{i} " + "x" * 16000}})))
+            await writer.drain()
+            await wait_until(lambda: not app[REGISTRY_KEY].calls, 30, "the socket to be dropped")
+            closed = app[REGISTRY_KEY].metrics.sessions_closed.labels("client_not_reading")
+            assert closed._value.get() == 1
+        finally:
+            writer.transport.abort()
+
+
+async def silent_reader(port: int, path: str) -> asyncio.StreamWriter:
+    """A WebSocket client that completes the handshake and then reads nothing, with a 4 KiB
+    receive buffer: what the server sends stays with the server."""
+    import base64 as b64lib
+    import os
+    import socket
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    key = b64lib.b64encode(os.urandom(16)).decode()
+    writer.write((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    status = await reader.readuntil(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 101"), status
+    writer.transport.pause_reading()  # and nothing more is ever read
+    return writer
+
+
+def masked_text(text: str) -> bytes:
+    """One client text frame (RFC 6455: clients mask)."""
+    import os
+    import struct
+
+    payload = text.encode()
+    mask = os.urandom(4)
+    head = bytes([0x81])
+    n = len(payload)
+    head += bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack("!H", n) if n < 65536 \
+        else bytes([0x80 | 127]) + struct.pack("!Q", n)
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+async def test_a_vanished_client_frees_its_slot_when_the_socket_says_so_or_pings_go_unanswered():
+    """A socket that goes away without a word (its peer silent, the network frozen) is noticed by
+    the WebSocket pings: a GA session ends at once, a duplex one after the resume window."""
+    from realtime_ws_support import TcpRelay
+
+    async with running_server(websocket={"heartbeat_s": 0.5}, session={"resume_window_s": 1.0}) as (url, app):
+        for query in ("", "?duplex=1"):
+            relay = await TcpRelay(int(url.rsplit(":", 1)[1])).start()
+            async with aiohttp.ClientSession() as http:
+                ws = await http.ws_connect(f"ws://127.0.0.1:{relay.port}/v1/realtime{query}", autoping=False)
+                await ws.receive(timeout=10)  # session.created
+                await wait_until(lambda: app[REGISTRY_KEY].calls, 10, "the session")
+                relay.freeze()  # nothing passes any more, and nothing is closed
+                await wait_until(lambda: not app[REGISTRY_KEY].calls, 30, "the slot to be freed")
+                await ws.close()
+            await relay.close()

@@ -20,7 +20,9 @@ once, unless its dialect can resume (vLLM-Omni's), which holds it for ``session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -84,6 +86,21 @@ def new_socket(settings: Settings) -> web.WebSocketResponse:
     return web.WebSocketResponse(max_msg_size=ws.max_frame_bytes, heartbeat=ws.heartbeat_s, autoping=True)
 
 
+def connection_of(request: web.Request, settings: Settings) -> asyncio.BaseTransport | None:
+    """The socket's connection, what it holds unsent bounded (``websocket.send_buffer_bytes``, in the
+    kernel and in the event loop's transport alike): beyond it the writer waits, and the send queue,
+    which is counted and bounded, holds the rest."""
+    transport = request.transport
+    limit = settings.websocket.send_buffer_bytes
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.set_write_buffer_limits(high=limit)
+    return transport
+
+
 class SocketCalls:
     """Admitting a socket's call: a slot, a session clocked by its own samples, a ``SocketCall``."""
 
@@ -123,6 +140,12 @@ async def read_socket(ws: web.WebSocketResponse, link: SocketLink, call: SocketC
     """Hand the client's frames to ``handle`` until the socket ends; why it ended.
 
     ``seen``: a message was already read (a first one read before the call existed)."""
+    reason = await _read(ws, link, call, handle, settings, seen)
+    return link.ended_by or reason
+
+
+async def _read(ws: web.WebSocketResponse, link: SocketLink, call: SocketCall,
+                handle: Callable[[str | bytes], None], settings: Settings, seen: bool) -> str:
     timers = settings.websocket
     while True:
         await call.uplink.wait_room()  # the client's appends wait for the engine: stop reading

@@ -58,14 +58,25 @@ class SocketCallCounters:
 class SocketLink:
     """One attached socket: its queue, and the task that writes it in order."""
 
-    def __init__(self, ws: Socket, limits: SocketLimits, name: str) -> None:
+    def __init__(self, ws: Socket, limits: SocketLimits, name: str, transport: asyncio.BaseTransport | None = None) -> None:
         self.ws = ws
+        self.transport = transport
+        self.ended_by: str | None = None  # why the server ended it, when it did (the call's close reason)
         self.outbox = Outbox(limits.queue_events, limits.queue_bytes)
         self.writer = asyncio.create_task(self.outbox.run(ws), name=name)
 
     def close(self, code: int, reason: str) -> None:
         """Write what is queued, then close the socket."""
         self.outbox.close(code, reason)
+
+    def abort(self, code: int, reason: str) -> None:
+        """Close now, whatever is queued: the peer is not reading, so nothing more can be written
+        (not even the close frame, which is tried once); the connection is dropped."""
+        self.ended_by = self.ended_by or reason.replace(" ", "_")
+        self.outbox.close(code, reason)
+        self.writer.cancel()
+        if self.transport is not None:
+            self.transport.abort()
 
     async def closed(self, timeout: float = WRITER_CLOSE_TIMEOUT_S) -> None:
         try:
@@ -152,9 +163,10 @@ class SocketCall:
 
     # --- the socket ------------------------------------------------------------------------------------
 
-    def attach(self, ws: Socket) -> SocketLink:
-        """Write to ``ws`` from now on (a resume replaces the socket that was attached)."""
-        link = SocketLink(ws, self.limits, f"socket-writer-{self.session.id}")
+    def attach(self, ws: Socket, transport: asyncio.BaseTransport | None = None) -> SocketLink:
+        """Write to ``ws`` from now on (a resume replaces the socket that was attached); ``transport``:
+        its connection, dropped if the client stops reading."""
+        link = SocketLink(ws, self.limits, f"socket-writer-{self.session.id}", transport)
         link.outbox.space.clear()
         self._watch_space(link)
         self.link = link
@@ -176,9 +188,9 @@ class SocketCall:
     def not_reading(self, link: SocketLink) -> None:
         """The client stopped reading until its queue filled: its socket is closed (1008)."""
         self.counters.not_reading += 1
-        log.warning("session %s: the client is not reading its socket (%d events, %d bytes queued); closing it",
+        log.warning("session %s: the client is not reading its socket (%d events, %d bytes queued); dropping it",
                     self.session.id, len(link.outbox._items), link.outbox.bytes)
-        link.close(CLOSE_POLICY, "client not reading")
+        link.abort(CLOSE_POLICY, "client not reading")
 
     def _audio_room(self) -> bool:
         link = self.link

@@ -32,8 +32,8 @@ from lychee_rtc.server.duplex.session_config import read_duplex_config
 from lychee_rtc.server.openai.client_secrets import ClientSecret
 from lychee_rtc.server.openai.dialect import SocketSide
 from lychee_rtc.server.openai.session_config import RealtimeProfile, read_session_config, session_options
-from lychee_rtc.server.realtime_socket import (SocketCalls, SocketQuery, credentials_session, new_socket,
-                                               read_socket, refusal, server_full)
+from lychee_rtc.server.realtime_socket import (SocketCalls, SocketQuery, connection_of, credentials_session,
+                                               new_socket, read_socket, refusal, server_full)
 from lychee_rtc.session.journal import JournalGap, JournalOverflow
 from lychee_rtc.session.protocol import ProtocolError
 from lychee_rtc.ws.call import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, SocketCall, SocketLink
@@ -72,7 +72,7 @@ class DuplexSockets:
         if first is None:
             return ws
         if first.get("type") == "session.resume":
-            return await self._resume(ws, first)
+            return await self._resume(request, ws, first)
         if first.get("type") != "session.update":
             await self._refuse(ws, "bad_event", "the first message must be session.update or session.resume",
                                first.get("event_id"))
@@ -136,7 +136,7 @@ class DuplexSockets:
             call.sender.deliver = translator.audio_delta
             call.on_cut = translator.forget_taken_back
             call.resumable = self.settings.session.resume_window_s > 0
-            wired["translator"], wired["link"] = translator, call.attach(ws)
+            wired["translator"], wired["link"] = translator, call.attach(ws, connection_of(request, self.settings))
 
         try:
             call = await self.sockets.open(options, "duplex", prepare)
@@ -162,7 +162,7 @@ class DuplexSockets:
 
     # --- resuming -----------------------------------------------------------------------------------------
 
-    async def _resume(self, ws: web.WebSocketResponse, msg: dict[str, Any]) -> web.StreamResponse:
+    async def _resume(self, request: web.Request, ws: web.WebSocketResponse, msg: dict[str, Any]) -> web.StreamResponse:
         event_id = msg.get("event_id")
         sid, token, last = msg.get("session_id"), msg.get("resume_token"), msg.get("last_received_server_event_seq", 0)
         if not isinstance(sid, str) or isinstance(last, bool) or not isinstance(last, int) or last < 0:
@@ -191,7 +191,7 @@ class DuplexSockets:
         if old is not None:  # the old socket still stands: it is told, and closed
             translator.send_unnumbered("session.replaced", session_id=sid)
             old.close(CLOSE_NORMAL, "replaced by a resumed socket")
-        link = call.attach(ws)
+        link = call.attach(ws, connection_of(request, self.settings))
         token = translator.new_resume_token()
         translator.send_unnumbered("session.resumed", session=translator.session_object(), resume_token=token,
                                    attachment_generation=translator.generation, replayed=len(replay),

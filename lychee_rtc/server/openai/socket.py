@@ -19,8 +19,8 @@ from lychee_rtc.server.openai.client_secrets import ClientSecret
 from lychee_rtc.server.openai.dialect import RealtimeTranslator, SocketSide
 from lychee_rtc.server.openai.session_config import (RealtimeProfile, read_session_config, requested_formats,
                                                      requested_processing, session_options)
-from lychee_rtc.server.realtime_socket import (SocketCalls, SocketQuery, credentials_session, new_socket,
-                                               read_socket, refusal, server_full)
+from lychee_rtc.server.realtime_socket import (SocketCalls, SocketQuery, connection_of, credentials_session,
+                                               new_socket, read_socket, refusal, server_full)
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import ProtocolError
 from lychee_rtc.ws.call import SocketCall, SocketLink
@@ -49,7 +49,7 @@ async def serve_openai_socket(request: web.Request, settings: Settings, profile:
         translator = RealtimeTranslator(call.session, call.channel, profile, socket=side)
         translator.max_message_bytes = settings.websocket.max_frame_bytes
         call.sender.deliver = translator.audio_delta
-        wired["translator"], wired["link"] = translator, call.attach(ws)
+        wired["translator"], wired["link"] = translator, call.attach(ws, connection_of(request, settings))
 
     try:
         call = await sockets.open(session_options(request_cfg), "openai", prepare,
