@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "aec": ("lychee_rtc.bench.aec", "echo cancellation and noise suppression on a simulated speakerphone: ERLE, distortion, CPU"),
     "recording": ("lychee_rtc.bench.recording", "CPU and disk per recorded call-minute (Ogg/Opus + sidecar)"),
     "e2e": ("lychee_rtc.bench.e2e", "N callers speaking recorded utterances through the server (lychee profile)"),
+    "websocket": ("lychee_rtc.bench.websocket", "the realtime WebSocket beside WebRTC: latency, CPU, capacity, throughput, vLLM-Omni's ttfp/RTF"),
 }
 
 
