@@ -488,3 +488,18 @@ async def test_a_vanished_client_frees_its_slot_when_the_socket_says_so_or_pings
                 await wait_until(lambda: not app[REGISTRY_KEY].calls, 30, "the slot to be freed")
                 await ws.close()
             await relay.close()
+
+
+async def test_shutdown_closes_the_sockets_cleanly():
+    """SIGTERM's path (the app's shutdown): every socket session ends with its close reason and
+    the going-away close code, a duplex one included (its resume is no longer possible)."""
+    async with aiohttp.ClientSession() as http:
+        async with running_server() as (url, app):
+            ga = await RawSocket.connect(http, f"{url}/v1/realtime")
+            duplex = await RawSocket.connect(http, f"{url}/v1/duplex")
+            await ga.wait("session.created")
+            await duplex.wait("session.created")
+            registry = app[REGISTRY_KEY]
+        assert await ga.closed() == 1001 and await duplex.closed() == 1001
+        assert duplex.of("session.closed")[0]["reason"] == "server_shutdown"
+        assert registry.metrics.sessions_closed.labels("server_shutdown")._value.get() == 2
