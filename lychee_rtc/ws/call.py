@@ -172,6 +172,7 @@ class SocketCall:
         self.link = link
         self.suspended_at = self.suspend_reason = None
         self.counters.sockets += 1
+        self.sender.room.set()  # audio held while no socket was attached may go now
         return link
 
     def detach(self, link: SocketLink, reason: str) -> bool:
