@@ -58,6 +58,11 @@ class KVCache(nn.Module):
         self.k_cache[rows] = 0
         self.v_cache[rows] = 0
 
+    def copy_positions(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n-1 of row ``src`` into row ``dst``, in place (captured graphs keep the address)."""
+        self.k_cache[dst, :, :n] = self.k_cache[src, :, :n]
+        self.v_cache[dst, :, :n] = self.v_cache[src, :, :n]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -212,11 +217,22 @@ class LycheeFD(nn.Module):
                 layer.self_attn.kv_cache = KVCache(max_batch, c.num_key_value_heads, max_seq, c.head_dim, dtype, device)
         self.max_batch, self.max_seq = max_batch, max_seq
 
-    def reset_rows(self, rows: list[int]) -> None:
+    def caches(self) -> list[KVCache]:
+        out = []
         for stack in (self.model, self.stoken_model, self.control_model, self.merge_model):
             for layer in stack.layers:
-                assert layer.self_attn.kv_cache is not None
-                layer.self_attn.kv_cache.reset_rows(rows)
+                assert layer.self_attn.kv_cache is not None, "call setup_caches() first"
+                out.append(layer.self_attn.kv_cache)
+        return out
+
+    def reset_rows(self, rows: list[int]) -> None:
+        for cache in self.caches():
+            cache.reset_rows(rows)
+
+    def copy_positions(self, src: int, dst: int, n: int) -> None:
+        """Every stack's cache positions 0..n-1 from row ``src`` to row ``dst`` (a context slide)."""
+        for cache in self.caches():
+            cache.copy_positions(src, dst, n)
 
     def context(self, input_pos: Tensor, rows: Tensor | None) -> StepContext:
         return StepContext.build(input_pos, rows, self.max_seq)
