@@ -92,7 +92,9 @@ def tiny_profile(config: Path, root: Path, device: str) -> Path:
     lychee = profile["engine"]["lychee"]
     # decision_bias: the tiny model speaks only when the caller commits its turn.
     model = write_tiny_checkpoint(root / "lychee", seed=11, spec=TinySpec(decision_bias=4.0))
+    # The profile's context sizes are for 8192 positions: derived from max_seq here.
     lychee.update({"model_root": str(model), "device": device, "dtype": "fp32", "max_seq": 1024,
+                   "context_window": None, "context_slide_step": None,
                    "progress": False, "torch_threads": 1 if device == "cpu" else None})
     if lychee.get("token2wav"):
         lychee["token2wav"] = write_tiny_vocoder(root, seed=3) | {"device": device}
