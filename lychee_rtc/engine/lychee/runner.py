@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ..base import ContextPolicy, Control, EngineEvent, SessionOptions
-from .audio import FEATURES_PER_WINDOW, encode_windows, mel_filterbank
+from .audio import encode_windows, mel_filterbank
 from .config import LycheeConfig, SpecialTokens
 from .context import POSITIONS_PER_SECOND, SlidePolicy
 from .decode import CHUNK, DecodeRules, RuleRows, prefill
