@@ -2,7 +2,9 @@
 # Every GPU measurement of lychee-rtc in one run, for a fresh GPU machine with no network:
 # environment record, the CUDA-only tests (graph replay equals eager, for the LM's window programs
 # and the vocoder's per-hop solve), `lychee-rtc bench gpu`
-# (full size, random weights, C = 1,2,4,8,16, eager vs CUDA graphs) and the per-hop vocoder bench.
+# (full size, random weights, C = 1,2,4,8,16, eager vs CUDA graphs), `lychee-rtc bench slide` (window
+# steps around context slides of speaking sessions, C = 1,4: deadline misses and each slide's cost)
+# and the per-hop vocoder bench.
 # Results land in $OUT (default ./gpu-results); each step logs to its own file and the run goes on
 # when a step fails, so one run leaves everything it could measure. The final line is a summary.
 #
@@ -17,7 +19,8 @@
 #
 # Knobs (environment): PYTHON (default python3), WINDOWS (30), CONCURRENCY (1,2,4,8,16),
 # STEP_TIMEOUT_S (330, the bench gpu step), E2E_TIMEOUT_S (300, the end-to-end step),
-# SMALL_TIMEOUT_S (90, every other step): at most about 14.5 minutes in all. bench gpu writes its report after every C, so a step cut short keeps the Cs
+# SLIDE_TIMEOUT_S (180, the slide bench; SLIDE_SESSIONS 1,4), SMALL_TIMEOUT_S (90, every other
+# step): at most about 17.5 minutes in all. bench gpu writes its report after every C, so a step cut short keeps the Cs
 # it finished; it exits non-zero when a row has fewer windows than asked or nothing was measured.
 set -uo pipefail
 
@@ -30,11 +33,15 @@ CONCURRENCY=${CONCURRENCY:-1,2,4,8,16}
 STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-330}
 SMALL_TIMEOUT_S=${SMALL_TIMEOUT_S:-90}
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}
+SLIDE_TIMEOUT_S=${SLIDE_TIMEOUT_S:-180}
+SLIDE_SESSIONS=${SLIDE_SESSIONS:-1,4}
 EXTRA=()
+SLIDE=()  # full size: the profiles' slide geometry (8192 positions, 6000 kept, 1500 per slide)
 E2E=(--sessions 1,2,4 --turns 2)
 if [[ "${1:-}" == "--tiny" ]]; then
   SIZE=tiny DEVICE=cpu WINDOWS=${TINY_WINDOWS:-2} CONCURRENCY=1,2
   EXTRA=(--threads 1 --prompt-seconds 1 --warmup 1)
+  SLIDE=(--threads 1 --max-seq 1024 --window 600 --step 200 --chunk 64) SLIDE_SESSIONS=1,2
   E2E=(--sessions 1,2 --turns 1 --tiny "$OUT/e2e-tiny" --device cpu)
 fi
 mkdir -p "$OUT"
@@ -62,7 +69,8 @@ step environment 30 bash -c "
 
 # The graph-vs-eager checks of the LM's window programs and the vocoder's per-hop solve skip on CPUs
 # ("needs CUDA"); on the GPU a skipped test fails this step, since it means nothing ran on the GPU.
-GRAPH_TESTS=(tests/test_lychee_graphs.py tests/test_vocoder_graphs.py)
+GRAPH_TESTS=(tests/test_lychee_graphs.py tests/test_vocoder_graphs.py
+             tests/test_lychee_context.py::test_replayed_graphs_give_the_eager_streams_across_slides)
 if [[ $DEVICE == cuda ]]; then
   step tests_graphs "$SMALL_TIMEOUT_S" bash -c '
     py=$0 report=$1; shift
@@ -76,6 +84,9 @@ fi
 
 step bench_gpu "$STEP_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench gpu --size "$SIZE" --device "$DEVICE" \
   --windows "$WINDOWS" --concurrency "$CONCURRENCY" --out "$OUT/bench-gpu" "${EXTRA[@]}"
+
+step bench_slide "$SLIDE_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench slide --size "$SIZE" --device "$DEVICE" \
+  --sessions "$SLIDE_SESSIONS" --slides 1 --out "$OUT/bench-slide" "${SLIDE[@]}"
 
 if [[ $DEVICE == cuda ]]; then
   step bench_vocoder "$SMALL_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench vocoder --size full --device cuda \

@@ -70,6 +70,7 @@ class Sample:
     slides: int  # all sessions, so far
     context_resets: int
     longest_tokens: int  # the longest text/speech/control list of any slot now
+    load1: float | None = None  # the machine's 1-minute load average: what else was running
 
 
 @dataclass
@@ -280,7 +281,7 @@ async def _run_calls(backend, setup: dict[str, Any], sessions: int, windows: int
                    step_wall_ms_p50=q(wall, statistics.median), step_wall_ms_max=q(wall, max),
                    slides=sum(st.context_slides for st in states),
                    context_resets=sum(t.context_resets for t in tallies),
-                   longest_tokens=max((len(st.text) for st in states), default=0))
+                   longest_tokens=max((len(st.text) for st in states), default=0), load1=round(os.getloadavg()[0], 2))
         samples.append(s)
         if progress:
             print(format_sample(s), flush=True)
@@ -317,7 +318,7 @@ def format_sample(s: Sample) -> str:
     return (f"call {s.call_s:7.1f} s  wall {s.wall_s:6.1f} s  rss {_f(s.rss_mb):>7} MB  cpu ms p50/max speak "
             f"{_f(s.speak_cpu_ms_p50)}/{_f(s.speak_cpu_ms_max)} listen {_f(s.listen_cpu_ms_p50)}/"
             f"{_f(s.listen_cpu_ms_max)}  wall p50/max {_f(s.step_wall_ms_p50)}/{_f(s.step_wall_ms_max)} ms  "
-            f"slides {s.slides}  resets {s.context_resets}  longest {s.longest_tokens}")
+            f"slides {s.slides}  resets {s.context_resets}  longest {s.longest_tokens}  load {_f(s.load1)}")
 
 
 def format_markdown(r: LongCallReport) -> str:
@@ -336,12 +337,13 @@ def format_markdown(r: LongCallReport) -> str:
                      ("listening step CPU ms p50", r.listen_cpu_ms_p50), ("step wall ms p50", r.step_wall_ms_p50)):
         lines.append(f"| {name} | {_f(tr.start)} | {_f(tr.end)} | {_f(tr.max)} | {_f(tr.slope_per_hour)} |")
     lines += ["", "| call s | wall s | RSS MB | speaking step CPU ms p50 / max | listening step CPU ms p50 / max "
-              "| step wall ms p50 / max | slides | resets | longest token list |", "|---|---|---|---|---|---|---|---|---|"]
+              "| step wall ms p50 / max | slides | resets | longest token list | load (1 min) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in r.samples:
         lines.append(f"| {s.call_s:.0f} | {s.wall_s:.0f} | {_f(s.rss_mb)} | {_f(s.speak_cpu_ms_p50)} / "
                      f"{_f(s.speak_cpu_ms_max)} | {_f(s.listen_cpu_ms_p50)} / {_f(s.listen_cpu_ms_max)} "
                      f"| {_f(s.step_wall_ms_p50)} / {_f(s.step_wall_ms_max)} | {s.slides} "
-                     f"| {s.context_resets} | {s.longest_tokens} |")
+                     f"| {s.context_resets} | {s.longest_tokens} | {_f(s.load1)} |")
     return "\n".join(lines) + "\n"
 
 
