@@ -89,8 +89,10 @@ def test_gpu_run_script_runs_every_step_at_tiny_size(tmp_path):
                                                        "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
-    assert summary.split() == ["summary:", "environment=0", "tests_graphs=0", "bench_gpu=0", "bench_vocoder=0",
-                               "e2e=0"]
+    assert summary.split() == ["summary:", "environment=0", "tests_graphs=0", "bench_gpu=0", "bench_slide=0",
+                               "bench_vocoder=0", "e2e=0"]
+    slide = json.loads((out / "bench-slide" / "bench_slide.json").read_text())["rows"]
+    assert [(r["sessions"], r["slides"], r["context_resets"]) for r in slide] == [(1, 1, 0), (2, 1, 0)]
     rows = json.loads((out / "bench-gpu" / "bench_gpu.json").read_text())["rows"]
     assert {(r["sessions"], r["state"]) for r in rows} == {(1, "listen"), (1, "speak"), (2, "listen"), (2, "speak")}
     assert json.loads((out / "vocoder.json").read_text())

@@ -17,9 +17,9 @@ per slide the time of its slide work (the re-prefill chunks and the switch, time
 each step's results, synchronised on CUDA; wall and CPU), per session and per position re-prefilled,
 and the largest share of it in one step. Random weights (speed does not depend on their values):
 ``--size tiny`` on a CPU, ``--size full`` (the released shapes) on a GPU, with CUDA graphs where
-they exist. Exit status 1 if a deadline was missed (by the wall clock on a GPU; by CPU time on a
-CPU, whose wall clock is shared with whatever else runs), a context reset happened or fewer slides
-than asked were measured.
+they exist. Exit status 1 if a context reset happened, fewer slides than asked were measured, or, on
+a GPU, a window missed its deadline (on a CPU misses are reported, by the wall clock and by CPU time,
+which the machine's other load does not inflate).
 
     lychee-rtc bench slide --size tiny --device cpu --sessions 1,4 --out bench-slide     # CPU check
     lychee-rtc bench slide --size full --sessions 1,4 --out bench-slide                  # on a GPU
@@ -258,15 +258,15 @@ def run(args: argparse.Namespace) -> int:
         if out is not None:  # a run cut short keeps what it measured
             write(out, env, setup, rows)
     print(format_table(rows))
-    # On a GPU the wall clock is the deadline's; on a CPU shared with other work only the CPU time
-    # a step took says whether it fits (its wall time also holds the others' turns).
-    def misses(r: Row) -> int:
-        return r.deadline_misses if device.type == "cuda" else r.deadline_misses_cpu
-
-    bad = [r for r in rows if misses(r) or r.context_resets or r.slides < args.slides]
-    for r in bad:
-        print(f"C{r.sessions}: {misses(r)} deadline misses, {r.context_resets} context resets, "
-              f"{r.slides} of {args.slides} slides", file=sys.stderr)
+    # On a GPU a missed deadline fails the run. On a CPU (a check of the code path; tiny numbers say
+    # nothing about a GPU) misses are reported, by CPU time too, whose count the machine's other load
+    # does not inflate as it does the wall clock's.
+    cuda = device.type == "cuda"
+    bad = [r for r in rows if (cuda and r.deadline_misses) or r.context_resets or r.slides < args.slides]
+    for r in rows:
+        if r in bad or r.deadline_misses:
+            print(f"C{r.sessions}: {r.deadline_misses} deadline misses ({r.deadline_misses_cpu} by CPU time), "
+                  f"{r.context_resets} context resets, {r.slides} of {args.slides} slides", file=sys.stderr)
     return 1 if bad else 0
 
 
