@@ -326,8 +326,8 @@ def format_markdown(r: LongCallReport) -> str:
     if r.command:
         lines += [f"`{r.command}`", ""]
     lines += ["Setup: " + ", ".join(f"{k} {v}" for k, v in r.setup.items()), "",
-              "| session | windows | responses | completed | cut by caller | model barge-ins | context resets | errors |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| session | windows | responses | completed | cut by caller | model barge-ins | context resets "
+              "| errors |", "|---|---|---|---|---|---|---|---|"]
     for i, t in enumerate(r.tallies):
         lines.append(f"| {i} | {t.windows} | {t.responses} | {t.completed} | {t.cancelled} | {t.barge_ins} "
                      f"| {t.context_resets} | {t.errors or '-'} |")
@@ -359,7 +359,8 @@ def write_report(r: LongCallReport, out: str) -> tuple[str, str]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("long-call", help="long conversations on the Lychee-FD engine (tiny, CPU), faster than real time",
+    p = sub.add_parser("long-call", help="long conversations on the Lychee-FD engine (tiny, CPU), faster than "
+                                         "real time",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0, help="conversation length (default 30)")
     p.add_argument("--sessions", type=int, default=1, help="concurrent conversations (default 1)")

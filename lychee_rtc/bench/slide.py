@@ -11,11 +11,11 @@ worst case for a deadline.
 Per window it records the step's wall time (synchronised on CUDA) and the process's CPU time, and
 whether the step carried re-prefill work or a switch. The report gives, for windows in which every
 session speaks: p50 / p95 / max of plain windows, of windows with a re-prefill chunk, and of
-windows with the switch; the deadline misses (a step over 400 ms, by the wall clock and by the process's CPU time) among all
-windows stepped; and
-per slide the time of its slide work (the re-prefill chunks and the switch, timed on their own after
-each step's results, synchronised on CUDA; wall and CPU), per session and per position re-prefilled,
-and the largest share of it in one step. Random weights (speed does not depend on their values):
+windows with the switch; the deadline misses (a step over 400 ms, by the wall clock and by the
+process's CPU time) among all windows stepped; and per slide the time of its slide work (the
+re-prefill chunks and the switch, timed on their own after each step's results, synchronised on
+CUDA; wall and CPU), per session and per position re-prefilled, and the largest share of it in one
+step. Random weights (speed does not depend on their values):
 ``--size tiny`` on a CPU, ``--size full`` (the released shapes) on a GPU, with CUDA graphs where
 they exist. Exit status 1 if a context reset happened, fewer slides than asked were measured, or, on
 a GPU, a window missed its deadline (on a CPU misses are reported, by the wall clock and by CPU time,

@@ -120,7 +120,7 @@ def prefill(model: LycheeFD, ids: list[int], row: int, text_pad: int) -> None:
     # Merge at the last prefix position sees the first post-prefix text token, <|TextPad|>.
     nxt = torch.tensor([ids[1:] + [text_pad]], device=device)
     e = model.embed_tokens
-    model.forward_positions(e(prefix), e(nxt), model.context(pos, rows))
+    model.forward_positions(e(prefix), e(nxt), model.context(pos, rows, key_len=len(ids)))
 
 
 def listen_window(model: LycheeFD, rules: DecodeRules, text: Tensor, stoken: Tensor, control: Tensor,

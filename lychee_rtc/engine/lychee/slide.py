@@ -42,7 +42,8 @@ class FeatureStore:
     def write(self, slots: list[int], windows: list[int], feats: Tensor) -> None:
         """``feats`` (n, 5, H): the features of window ``windows[i]`` of slot ``slots[i]``."""
         device = self.feats.device
-        self.feats[torch.tensor(slots, device=device), torch.tensor(windows, device=device)] = feats.to(self.feats.dtype)
+        rows, at = torch.tensor(slots, device=device), torch.tensor(windows, device=device)
+        self.feats[rows, at] = feats.to(self.feats.dtype)
 
     def channel(self, slot: int, positions: np.ndarray, pad: Tensor) -> Tensor:
         """The audio channel of post-prefix ``positions``: feature j of window k at 10k+2j, pad elsewhere."""
@@ -134,7 +135,8 @@ class Slider:
         x = torch.cat(parts)[None]
         pos = torch.arange(lo, hi, device=device)[None]
         rows = torch.tensor([staging_row], device=device)
-        model.forward_positions(x, e(torch.tensor([nxt], device=device)), model.context(pos, rows))
+        # Keys only up to the chunk's end: the masked rest of the row is never read.
+        model.forward_positions(x, e(torch.tensor([nxt], device=device)), model.context(pos, rows, key_len=hi))
         job.staged = hi
         return hi - lo
 

@@ -234,7 +234,9 @@ class SlotMachine:
         reserve = 1 if self.sliding else min(self.context_reserve_windows, capacity // 2)
         if state.mode is Mode.LISTENING and left <= reserve:
             state.context_resets += 1
-            (log.warning if self.sliding else log.info)("slot %d: context limit (%d positions); conversation memory reset", state.index, self.max_seq)
+            # With sliding on this means a slide could not keep up: worth a warning.
+            (log.warning if self.sliding else log.info)(
+                "slot %d: context limit (%d positions); conversation memory reset", state.index, self.max_seq)
             res.events.append(EngineError(state.epoch, "context_reset",
                                           f"the model's context ({self.max_seq} positions, "
                                           f"{self.max_seq * 0.04:.0f} s) is nearly full: its memory of "
