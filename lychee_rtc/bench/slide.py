@@ -1,10 +1,10 @@
 """``lychee-rtc bench slide``: a context slide against the 400 ms window deadline, and its cost.
 
 For each C (``--sessions``) it opens C sessions on one runner with the profiles' slide geometry
-(default: 8192 positions per slot, 6000 kept, 1500 dropped per slide, 256 re-prefilled per window
-step), lets them listen (the cheap window) until two windows before a re-prefill starts, then makes
+(default: 8192 positions per slot, 6000 kept, 1500 dropped per slide, 128 re-prefilled per window
+step), lets them listen (the cheap window) until five windows before a re-prefill starts, then makes
 every session speak (the dearest window: ten decode steps) through the re-prefill's windows and the
-switch, and listens again until the next one, for ``--slides`` slides. The sessions were opened
+switch and five windows past it, and listens again until the next one, for ``--slides`` slides. The sessions were opened
 together, so their slides coincide: every session's re-prefill chunk lands in the same steps, the
 worst case for a deadline.
 
@@ -217,7 +217,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq", type=int, default=8192, help="positions per slot (default 8192, as the profiles)")
     p.add_argument("--window", type=int, default=6000, help="positions kept by a slide (default 6000)")
     p.add_argument("--step", type=int, default=1500, help="positions dropped per slide (default 1500)")
-    p.add_argument("--chunk", type=int, default=256, help="positions re-prefilled per window step (default 256)")
+    p.add_argument("--chunk", type=int, default=128, help="positions re-prefilled per window step (default 128)")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="CUDA graphs (auto: on CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--out", help="folder for bench_slide.json and bench_slide.md")
