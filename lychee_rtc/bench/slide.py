@@ -1,10 +1,11 @@
 """``lychee-rtc bench slide``: a context slide against the 400 ms window deadline, and its cost.
 
 For each C (``--sessions``) it opens C sessions on one runner with the profiles' slide geometry
-(default: 8192 positions per slot, 6000 kept, 1500 dropped per slide, 128 re-prefilled per window
-step), lets them listen (the cheap window) until five windows before a re-prefill starts, then makes
-every session speak (the dearest window: ten decode steps) through the re-prefill's windows and the
-switch and five windows past it, and listens again until the next one, for ``--slides`` slides. The sessions were opened
+(default: 8192 positions per slot, 6000 kept, 1500 dropped per slide; re-prefilled per window step:
+256 positions on a GPU as in the profiles, 64 on a CPU as in the tiny CPU profile), lets them listen
+(the cheap window) until five windows before a re-prefill starts, then makes every session speak
+(the dearest window: ten decode steps) through the re-prefill's windows, the switch and five windows
+past it, and listens again until the next one, for ``--slides`` slides. The sessions were opened
 together, so their slides coincide: every session's re-prefill chunk lands in the same steps, the
 worst case for a deadline.
 
@@ -19,7 +20,7 @@ step. Random weights (speed does not depend on their values):
 ``--size tiny`` on a CPU, ``--size full`` (the released shapes) on a GPU, with CUDA graphs where
 they exist. Exit status 1 if a context reset happened, fewer slides than asked were measured, or, on
 a GPU, a window missed its deadline (on a CPU misses are reported, by the wall clock and by CPU time,
-which the machine's other load does not inflate).
+which the machine's other load inflates far less).
 
     lychee-rtc bench slide --size tiny --device cpu --sessions 1,4 --out bench-slide     # CPU check
     lychee-rtc bench slide --size full --sessions 1,4 --out bench-slide                  # on a GPU
@@ -217,7 +218,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq", type=int, default=8192, help="positions per slot (default 8192, as the profiles)")
     p.add_argument("--window", type=int, default=6000, help="positions kept by a slide (default 6000)")
     p.add_argument("--step", type=int, default=1500, help="positions dropped per slide (default 1500)")
-    p.add_argument("--chunk", type=int, default=128, help="positions re-prefilled per window step (default 128)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="positions re-prefilled per window step (default 256 on CUDA as the profiles, 64 on a CPU)")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="CUDA graphs (auto: on CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--out", help="folder for bench_slide.json and bench_slide.md")
@@ -237,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     t0 = time.monotonic()
     model, tokenizer, _ = build_lychee(args.size, device, dtype)
+    chunk = args.chunk or (256 if device.type == "cuda" else 64)
     setup: dict[str, Any] = {"size": args.size, "dtype": dtype_name, "max_seq": args.max_seq, "window": args.window,
-                             "step": args.step, "chunk": args.chunk, "graphs": args.graphs,
+                             "step": args.step, "chunk": chunk, "graphs": args.graphs,
                              "build_s": round(time.monotonic() - t0, 1)}
     try:
         import os
@@ -251,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     env = environment(device)
     out = Path(args.out) if args.out else None
     for c in [int(x) for x in str(args.sessions).split(",") if x]:
-        row = measure(model, tokenizer, c, max_seq=args.max_seq, window=args.window, step=args.step, chunk=args.chunk,
+        row = measure(model, tokenizer, c, max_seq=args.max_seq, window=args.window, step=args.step, chunk=chunk,
                       slides=args.slides, graphs=args.graphs)
         rows.append(row)
         print(format_table([row]), flush=True)

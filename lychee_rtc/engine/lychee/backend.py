@@ -75,7 +75,7 @@ class LycheeEngineSettings:
     # sliding, the conversation resets when full) and positions re-prefilled per window step.
     context_window: int | None = None
     context_slide_step: int | None = None
-    context_prefill_chunk: int = 128
+    context_prefill_chunk: int = 256
     context_reserve_windows: int = 25
     # auto: the window step runs as captured CUDA graphs on a GPU, eagerly on a CPU; on: graphs
     # required (start-up fails without CUDA); off: eager everywhere (graphs.py).

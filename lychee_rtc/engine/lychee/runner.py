@@ -96,7 +96,7 @@ class RunnerSettings:
     # re-prefilled per window step while a slide is prepared.
     context_window: int | None = None
     context_slide_step: int | None = None
-    context_prefill_chunk: int = 128
+    context_prefill_chunk: int = 256
     # Sliding off: listening with fewer than this many windows of context left resets the
     # conversation (with sliding on, a reset happens only at the very end, as a last resort).
     context_reserve_windows: int = 25
