@@ -80,7 +80,8 @@ class SlidePolicy:
         if prefix_len + window + step + END_MARGIN > max_seq:
             raise ContextSettingsError(
                 f"context_window: {window} + context_slide_step {step} + the system prefix ({prefix_len}) "
-                f"+ {END_MARGIN} must fit max_seq {max_seq}")
+                f"+ {END_MARGIN} must fit max_seq {max_seq} (set both for this max_seq, or null to derive them "
+                "from it)")
         if policy.kept(max_prefix, max_prefix) < CHUNK:
             raise ContextSettingsError(
                 f"context_slide_step: {step} leaves no window after the longest system prefix ({max_prefix}) "
