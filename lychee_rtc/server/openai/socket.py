@@ -1,6 +1,6 @@
 """The OpenAI Realtime WebSocket (``GET /v1/realtime`` without ``call_id``): the GA dialect on a socket.
 
-What the four Python clients need (the ``openai`` SDK, the Agents SDK, Pipecat, LiveKit) is the GA translator's
+What the ``openai`` SDK, the Agents SDK, Pipecat and LiveKit need is the GA translator's
 (``dialect.py``) with audio in events: ``session.created`` first, then every client event in order
 (they may come before it), audio as ``input_audio_buffer.append`` in and
 ``response.output_audio.delta`` out, in ``audio/pcm`` (24 kHz), ``audio/pcmu`` or ``audio/pcma``.
