@@ -131,8 +131,11 @@ BODIES = {"application/json": b"{}", "application/sdp": b"v=0\r\n", "application
           b"a=end-of-candidates\r\n", "multipart/form-data": None}
 
 
-def fill(path: str, t: Targets, wrong: bool) -> str:
+def fill(route, t: Targets, wrong: bool) -> str:
     """The path for the target the route is about (``wrong``: a resource that is not the caller's)."""
+    path = route.shown_path
+    if route.query == "call_id":
+        return f"{path}?call_id={t.call_id}"
     if path.startswith("/whip/"):
         return "/whip/whip_" + "x" * 32 if wrong else t.whip
     path = path.replace("{session_id}", t.session_id).replace("{call_id}", t.call_id)
@@ -141,8 +144,6 @@ def fill(path: str, t: Targets, wrong: bool) -> str:
         return path.replace("{call}", t.carrier_call)
     if path.startswith("/v1/telephony/calls/{call}"):
         return path.replace("{call}", t.session_id)
-    if path == "/v1/realtime":
-        return f"/v1/realtime?call_id={t.call_id}"
     return path.replace("{file}", "app.js")
 
 
@@ -238,7 +239,7 @@ async def test_every_route_admits_exactly_who_the_table_says(mode, tmp_path):
                     creds = credentials(route.access, route.shown_path, route.method, mode, targets, url)
                     for cred in ("none", "wrong", "right"):
                         # Without a credential a WHIP resource is not known either: its path is its secret.
-                        path = fill(route.shown_path, targets, wrong=cred != "right")
+                        path = fill(route, targets, wrong=cred != "right")
                         status, _ = await ask(http, url, route, path, creds[cred])
                         want = expected(route.access, route.shown_path, mode, cred)
                         got = "refused" if status in (401, 403) else "absent" if status == 404 else "open"

@@ -175,7 +175,7 @@ async def test_a_body_that_does_not_arrive_in_time_is_a_408():
 async def test_a_websocket_peer_that_stops_answering_is_dropped_at_the_heartbeat():
     """A sideband whose client went away without a word (answers no ping): its socket is dropped,
     the call goes on."""
-    async with running_server(server={"websocket_heartbeat_s": 1.0}) as (url, app):
+    async with running_server(websocket={"heartbeat_s": 1.0}) as (url, app):
         client = RtcClient(url)
         await client.connect()
         port = int(url.rsplit(":", 1)[1])

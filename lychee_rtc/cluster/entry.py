@@ -10,17 +10,21 @@
   recording) go to the worker named in the id (session ids, call ids, WHIP resources and session
   tokens carry it); a recording passes on as it arrives. The worker authenticates them, before it
   reads their body, as a single server does; a resume whose bearer is a session token goes to that
-  token's worker without the entry reading its body.
+  token's worker without the entry parsing its body.
 * ``POST /v1/realtime/client_secrets`` goes to any ready worker: keys are signed with the server key
   that every worker shares, so any worker accepts a key that another minted.
 * ``/readyz``, ``/metrics``, ``/v1/sessions`` and ``/v1/recordings`` describe the whole cluster; each worker keeps its
   own, on its own port (``/v1/cluster/workers/{id}/metrics`` reaches a worker's through the entry).
 * ``POST /v1/cluster/workers/{id}/drain`` is the rolling restart: the worker takes no new calls,
   ends after its calls or a deadline, and Ray starts a new process in its place.
+* WebSockets (a carrier's stream, a realtime socket, a sideband, a call's events) are relayed to a
+  worker: ``sockets.py``. Which worker a request names, and the refusals, are ``routing.py``'s.
 
 The entry holds no session state: any number of entries can front the same workers. It serves
 every route a single server with the same profile serves (``tests/test_cluster_units.py`` compares
-the two tables), each declared in its route table with who may call it.
+the two tables), each declared in its route table with who may call it (``server/route_table.py``):
+the entry checks the server key and ``ek_`` keys itself, and leaves a session's own secrets to the
+worker that holds the session.
 """
 
 from __future__ import annotations
@@ -28,21 +32,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
+from lychee_rtc import __version__
 from lychee_rtc.cluster.fleet import Fleet, NoPlacement
+from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, forward_download
 from lychee_rtc.cluster.ids import worker_of
-from lychee_rtc.cluster.operations import (FLEET_KEY, body_limit, drain_worker, healthz, list_workers, metrics,
-                                           read_body, readyz, unavailable, worker_metrics)
-from lychee_rtc.cluster.proxy import (WorkerFailed, WorkerUnreachable, forward, forward_download, open_websocket,
-                                      relay_websocket)
+from lychee_rtc.cluster.routing import (FLEET_KEY, body_limit, from_holder, holder, no_placement, read_body, target_of,
+                                        unavailable, worker_holding)
+from lychee_rtc.cluster.sockets import place_websocket, realtime_socket, routed_websocket
 from lychee_rtc.cluster.registry import WorkerView
-from lychee_rtc.config import Settings
 from lychee_rtc.calls.tokens import is_session_token
+from lychee_rtc.config import Settings
+from lychee_rtc.jsonio import JsonError, strict_json_loads
 from lychee_rtc.server import auth, http, route_table
 from lychee_rtc.server.app import SETTINGS_KEY, index, latency_page, static_file
 from lychee_rtc.server.auth import Access
@@ -51,9 +55,23 @@ from lychee_rtc.server.openai import routes as realtime
 from lychee_rtc.server.openai.client_secrets import ClientSecrets, InvalidClientSecret, is_client_secret
 from lychee_rtc.server.route_table import ADMITTED_KEY, Body, Route
 
-# --- who may call what (checked by the HTTP edge before the handler) ----------------------------------
-
 CLIENT_SECRETS_KEY = web.AppKey("client_secrets", ClientSecrets)
+
+
+
+# --- new sessions ----------------------------------------------------------------------------------
+
+
+def _is_full(response: web.Response) -> bool:
+    if response.status != 503:
+        return False
+    try:
+        return json.loads(response.body)["error"]["code"] == "server_full"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+# --- who may call what (checked by the HTTP edge before the handler) ----------------------------------
 
 
 async def admit_resume(request: web.Request) -> str | None:
@@ -75,24 +93,6 @@ async def admit_client_secret(request: web.Request):
         return realtime.error(401, "invalid_client_secret", str(exc), headers={"WWW-Authenticate": "Bearer"})
 
 
-# --- new sessions ----------------------------------------------------------------------------------
-
-
-def _is_full(response: web.Response) -> bool:
-    if response.status != 503:
-        return False
-    try:
-        return json.loads(response.body)["error"]["code"] == "server_full"
-    except (ValueError, KeyError, TypeError):
-        return False
-
-
-def _no_placement(fleet: Fleet, refusal: NoPlacement) -> web.Response:
-    if refusal.status == 503:
-        return unavailable(fleet, refusal.code, refusal.message)
-    return http.error_response(refusal.status, refusal.code, refusal.message)
-
-
 async def place(request: web.Request) -> web.Response:
     """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
     fleet = request.app[FLEET_KEY]
@@ -112,7 +112,7 @@ async def place(request: web.Request) -> web.Response:
 
     placed = await fleet.on_a_worker(offer, _is_full, lambda response: response.status < 300)
     if isinstance(placed, NoPlacement):
-        return _no_placement(fleet, placed)
+        return no_placement(fleet, placed)
     return placed.answer
 
 
@@ -132,68 +132,7 @@ async def any_worker(request: web.Request) -> web.Response:
     return unavailable(fleet, "no_worker_ready", "no worker is ready; retry later")
 
 
-async def place_websocket(request: web.Request) -> web.StreamResponse:
-    """A carrier's media stream starts a call: to the least-loaded worker, relayed both ways.
-
-    Unlike WebRTC media, a carrier's audio is in the WebSocket itself, so it passes through the entry.
-    The worker admits the call only when the carrier's start frame arrives, after the handshake, and
-    sends nothing before: the call counts as in flight until the worker's first frame (then, as any
-    placement, until a fresh report) or until the relay ends.
-    """
-    fleet = request.app[FLEET_KEY]
-
-    async def connect(view: WorkerView) -> aiohttp.ClientWebSocketResponse | web.Response:
-        return await open_websocket(fleet.http, view.url, request, fleet.settings.cluster.forward_timeout_s)
-
-    # A worker refuses a handshake in a restated form (the body does not survive the client
-    # library), so a refusal is passed on rather than read as "full".
-    placed = await fleet.on_a_worker(connect, lambda _: False, lambda upstream: not isinstance(upstream, web.Response),
-                                     settle_later=True)
-    if isinstance(placed, NoPlacement):
-        return _no_placement(fleet, placed)
-    if isinstance(placed.answer, web.Response):
-        return placed.answer
-    try:
-        return await relay_websocket(request, placed.answer, on_first_reply=placed.placement.taken)
-    finally:
-        placed.placement.released()  # never answered: not admitted, or gone already (no-op once taken)
-
-
 # --- follow-ups ------------------------------------------------------------------------------------
-
-
-def _target(request: web.Request) -> tuple[str, str]:
-    """The id a follow-up names and what the client calls it (a realtime call or a session)."""
-    for key, what in (("call_id", "call"), ("session_id", "session"), ("resource_id", "session"),
-                      ("call", "phone call")):
-        if key in request.match_info:
-            return request.match_info[key], what
-    return request.query.get("call_id", ""), "call"
-
-
-def _not_found(session_id: str, what: str, detail: str = "") -> web.Response:
-    message = f"no {what} {session_id!r}{detail}"
-    if what == "call":  # the OpenAI surface's own error, as a single server gives it
-        return realtime.error(404, "call_not_found", message, param="call_id")
-    return http.error_response(404, "session_not_found", message)
-
-
-def _worker_holding(request: web.Request, session_id: str) -> WorkerView | str:
-    """The worker that holds ``session_id``, or why there is none to ask (a detail for a 404)."""
-    view = request.app[FLEET_KEY].registry.workers.get(worker_of(session_id) or "")
-    if view is None:
-        return " (through the cluster entry, name a call by its session id)" \
-            if request.path.startswith("/v1/telephony/") else ""
-    if view.state in ("dead", "stopped") or view.url is None:
-        return f": its worker {view.worker_id} is {view.state}"
-    return view
-
-
-def _holder(request: web.Request, target: tuple[str, str] | None = None) -> WorkerView | web.Response:
-    """The worker that holds the session a follow-up names, or the 404 a single server would give."""
-    session_id, what = target or _target(request)
-    view = _worker_holding(request, session_id)
-    return _not_found(session_id, what, view) if isinstance(view, str) else view
 
 
 def _resumed_session(request: web.Request, body: bytes) -> str | None:
@@ -210,12 +149,12 @@ def _resumed_session(request: web.Request, body: bytes) -> str | None:
 
 async def routed(request: web.Request) -> web.Response:
     """A request about one session: to the worker whose id the session id carries."""
-    return await _forward_to_holder(request, await read_body(request), _target(request))
+    return await _forward_to_holder(request, await read_body(request), target_of(request))
 
 
 async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[str, str]) -> web.Response:
     fleet = request.app[FLEET_KEY]
-    view = _holder(request, target)
+    view = holder(request, target)
     if isinstance(view, web.Response):
         return view
 
@@ -224,49 +163,7 @@ async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[st
         response = await forward(fleet.http, view.url, request, body, fleet.timeout())
         fleet.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
         return response
-    return await _from_holder(fleet, view, target[0], send)
-
-
-async def _from_holder(fleet: Fleet, view: WorkerView, session_id: str,
-                       send: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """``send()`` to the worker holding the session: one that cannot be reached is marked down and
-    answered 503; one that took the request and gave no complete answer, 502."""
-    try:
-        return await send()
-    except WorkerUnreachable as exc:
-        fleet.registry.mark_down(view, str(exc))
-        return unavailable(fleet, "worker_unavailable",
-                            f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
-    except WorkerFailed as exc:
-        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
-
-
-async def sideband(request: web.Request) -> web.StreamResponse:
-    """The sideband WebSocket of a realtime call: relayed to the worker named in ``call_id``."""
-    if not request.query.get("call_id"):
-        return realtime.error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
-    return await routed_websocket(request)
-
-
-async def routed_websocket(request: web.Request) -> web.StreamResponse:
-    """A WebSocket about one session (a phone call's event stream, a realtime call's sideband): to
-    the worker in the session id."""
-    fleet = request.app[FLEET_KEY]
-    view = _holder(request)
-    if isinstance(view, web.Response):
-        return view
-    try:
-        upstream = await open_websocket(fleet.http, view.url, request, fleet.settings.cluster.forward_timeout_s)
-    except WorkerUnreachable as exc:
-        fleet.registry.mark_down(view, str(exc))
-        return unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
-    except WorkerFailed as exc:
-        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
-    if isinstance(upstream, web.Response):
-        if upstream.status == 404:  # the session ended: say so as a single server does
-            return _not_found(*_target(request))
-        return upstream
-    return await relay_websocket(request, upstream)
+    return await from_holder(fleet, view, target[0], send)
 
 
 async def _from_every_worker(request: web.Request, key: str) -> list[dict[str, Any]] | web.Response:
@@ -309,14 +206,96 @@ async def routed_recording(request: web.Request) -> web.StreamResponse:
     as they arrive (a long call's recording is larger than any answer the entry holds whole)."""
     fleet = request.app[FLEET_KEY]
     session_id = request.match_info["session_id"]
-    view = _worker_holding(request, session_id)
+    view = worker_holding(request, session_id)
     if isinstance(view, str):
         return http.error_response(404, "recording_not_found", f"no recording of session {session_id!r}{view}")
     if request.method == "DELETE":
-        return await _from_holder(fleet, view, session_id,
+        return await from_holder(fleet, view, session_id,
                                   lambda: forward(fleet.http, view.url, request, b"", fleet.timeout()))
-    return await _from_holder(fleet, view, session_id,
+    return await from_holder(fleet, view, session_id,
                               lambda: forward_download(fleet.http, view.url, request, fleet.download_timeout()))
+
+
+# --- health and operations -------------------------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return http.json_response({"status": "ok", "version": __version__})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET_KEY]
+    registry = fleet.registry
+    engines = sorted({v.status["engine"] for v in registry.workers.values() if v.status})
+    body = {"engine": ",".join(engines) or fleet.settings.engine.name, "capacity": registry.capacity,
+            "free": registry.free, "active": registry.active,
+            "workers": {state: n for state in ("ready", "starting", "draining", "down", "dead", "stopped")
+                        if (n := registry.count(state))}}
+    if registry.count("ready") == 0:
+        return http.json_response({"status": "starting", **body}, status=503)
+    if registry.free <= 0:
+        return http.json_response({"status": "full", **body}, status=503,
+                                 headers={"Retry-After": str(fleet.settings.session.retry_after_s)})
+    return http.json_response({"status": "ready", **body})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m = request.app[FLEET_KEY].metrics
+    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET_KEY]
+    return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()],
+                               "waiting": fleet.waiting})
+
+
+def _worker_or_404(request: web.Request) -> WorkerView | web.Response:
+    worker = request.match_info["worker_id"]
+    view = request.app[FLEET_KEY].registry.workers.get(worker)
+    if view is None:
+        return http.error_response(404, "worker_not_found", f"no worker {worker!r}")
+    return view
+
+
+async def drain_worker(request: web.Request) -> web.Response:
+    view = _worker_or_404(request)
+    if isinstance(view, web.Response):
+        return view
+    fleet = request.app[FLEET_KEY]
+    raw = await read_body(request)
+    try:
+        options = strict_json_loads(raw) if raw.strip() else {}
+    except JsonError as exc:
+        return http.error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
+    if not isinstance(options, dict) or set(options) - {"deadline_s", "restart"}:
+        return http.error_response(400, "invalid_request", "body: an object with deadline_s (seconds) and restart (boolean)")
+    deadline = options.get("deadline_s", fleet.settings.cluster.drain_timeout_s)
+    restart = options.get("restart", True)
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0:
+        return http.error_response(400, "invalid_request", "deadline_s must be a number of seconds above 0")
+    if not isinstance(restart, bool):
+        return http.error_response(400, "invalid_request", "restart must be true or false")
+    if view.state not in ("ready", "draining"):
+        return http.error_response(409, "worker_not_ready", f"worker {view.worker_id} is {view.state}")
+    try:
+        await fleet.drain(view, float(deadline), restart)
+    except Exception as exc:  # the worker died under the request: the poller will say so
+        return unavailable(fleet, "worker_unavailable", f"worker {view.worker_id}: {type(exc).__name__}: {exc}")
+    return http.json_response(view.describe(), status=202)
+
+
+async def worker_metrics(request: web.Request) -> web.Response:
+    view = _worker_or_404(request)
+    if isinstance(view, web.Response):
+        return view
+    fleet = request.app[FLEET_KEY]
+    if view.url is None or view.state in ("dead", "stopped"):
+        return unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} is {view.state}")
+    try:
+        return await forward(fleet.http, view.url, request, b"", fleet.timeout(), path_qs="/metrics")
+    except (WorkerUnreachable, WorkerFailed) as exc:
+        return unavailable(fleet, "worker_unavailable", str(exc))
 
 
 # --- application -----------------------------------------------------------------------------------
@@ -330,8 +309,9 @@ def _routes(settings: Settings) -> list[Route]:
     body = Body(("application/json", "application/sdp", "multipart/form-data"), body_limit(settings))
     json_body = Body(("application/json",), body_limit(settings))
 
-    def forwarded(method: str, path: str, handler, websocket: bool = False) -> Route:
-        return Route(method, path, handler, Access.SESSION, forwarded=True, opened_by=FORWARDED, websocket=websocket)
+    def forwarded(method: str, path: str, handler, websocket: bool = False, query: str | None = None) -> Route:
+        return Route(method, path, handler, Access.SESSION, forwarded=True, opened_by=FORWARDED, websocket=websocket,
+                     query=query)
 
     routes = [
         Route("POST", "/v1/rtc/offer", place, Access.CREATE, body, admit=admit_resume,
@@ -351,7 +331,12 @@ def _routes(settings: Settings) -> list[Route]:
         *(forwarded("POST", f"{realtime.CALLS_PATH}/{{call_id}}/{verb}", routed)
           for verb in ("hangup", "accept", "reject", "refer")),
         Route("POST", "/v1/realtime/client_secrets", any_worker, Access.ADMIN, json_body, error=realtime.error),
-        forwarded("GET", "/v1/realtime", sideband, websocket=True),
+        forwarded("GET", "/v1/realtime", realtime_socket, websocket=True, query="call_id"),
+        Route("GET", "/v1/realtime", realtime_socket, Access.CREATE, admit=admit_client_secret,
+              admits="an ek_ client key", websocket=True, error=realtime.error),
+        Route("GET", "/v1/duplex", realtime_socket, Access.CREATE, admit=admit_client_secret,
+              admits="an ek_ client key (a resume: its resume token, in the first message)", websocket=True,
+              error=realtime.error),
     ]
     if settings.gateway.janus.enabled:
         routes += [Route("POST", "/v1/telephony/calls", place, Access.CREATE, json_body),
@@ -385,7 +370,7 @@ def create_entry_app(settings: Settings) -> web.Application:
     app[SETTINGS_KEY] = settings
     app[FLEET_KEY] = Fleet(settings)
     app[CLIENT_SECRETS_KEY] = ClientSecrets(settings.server.auth_token)
-    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s, settings.server.websocket_heartbeat_s)
+    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s, settings.websocket.heartbeat_s)
     table = route_table.table_of(app)
     for route in _routes(settings):
         table.add(app, route)

@@ -26,6 +26,7 @@ from lychee_rtc.rtc.trickle import add_remote_candidates
 from lychee_rtc.media.recording.store import RecordingStore
 from lychee_rtc.server import auth, http, recordings, route_table
 from lychee_rtc.server.auth import Access
+from lychee_rtc.server.duplex.route import DuplexSockets
 from lychee_rtc.server.lifecycle import LIFECYCLE_KEY, Lifecycle, shutdown_deadline
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.route_table import ADMITTED_KEY, TARGET_KEY, Body, Route, Target
@@ -334,7 +335,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app[SETTINGS_KEY] = settings
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = call_metrics
-    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s, settings.server.websocket_heartbeat_s)
+    lifecycle = app[LIFECYCLE_KEY] = Lifecycle(settings.server.body_timeout_s, settings.websocket.heartbeat_s)
     store = RecordingStore(settings.recording)
     registry = app[REGISTRY_KEY] = CallRegistry(settings, engine, call_metrics, store)
     profile = RealtimeProfile.build(settings, engine.capabilities)
@@ -343,7 +344,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     rtc = app[RTC_KEY] = RtcNegotiator(settings, registry, dialects)
 
     _declare(app, settings)
-    realtime.install(app, settings, registry, rtc, profile)
+    surface = realtime.install(app, settings, registry, rtc, profile)
+    surface.duplex = DuplexSockets(settings, registry, profile, surface.sockets)
     sip_calls = None
     if settings.gateway.janus.enabled:
         from lychee_rtc.gateway.janus_sip import JanusSipGateway
@@ -367,7 +369,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = shutdown_deadline(started, settings.server.shutdown_grace_s)
-        sockets = asyncio.ensure_future(lifecycle.stop(deadline))  # body reads end now, sockets by the deadline
+        lifecycle.begin_stop()  # body reads waiting on clients end now; no new body read or socket
         if GATEWAY_KEY in app:
             try:
                 await asyncio.wait_for(app[GATEWAY_KEY].stop(), max(0.0, deadline - loop.time()))
@@ -376,7 +378,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
         await registry.close_all("server_shutdown", deadline)
         await app[ENGINE_KEY].stop()
         await recordings.finish(store, max(0.0, deadline - loop.time()))
-        await sockets
+        await lifecycle.stop(deadline)  # sockets the calls did not close: 1001, then dropped at the deadline
         log.info("shut down in %.2f s (server.shutdown_grace_s %.1f s)", loop.time() - started,
                  settings.server.shutdown_grace_s)
 

@@ -5,8 +5,9 @@ Both go through here, so that neither can hold the server:
 
 * a body is read within ``server.body_timeout_s`` (a client that sends half a body gets 408), and
   every read still waiting when shutdown begins ends at once (``reading``);
-* a WebSocket is made here (``websocket``), with a bounded close handshake and a heartbeat
-  (``server.websocket_heartbeat_s``: a peer that answers no ping is dropped); at
+* a WebSocket is made here (``websocket``, or made by its handler and ``adopt``-ed), with a bounded
+  close handshake and a heartbeat (``websocket.heartbeat_s``: a peer that answers no ping is
+  dropped); at
   shutdown each gets until the deadline to close normally (its call's last events, a close frame),
   then its connection is aborted, so a peer that stopped reading (a half-open socket) cannot hold
   the process either.
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 # A close handshake (our close frame, the peer's answer) gets this long; a peer that never answers
 # is not waited for longer.
 WS_CLOSE_TIMEOUT_S = 2.0
-DEFAULT_HEARTBEAT_S = 20.0  # server.websocket_heartbeat_s
+DEFAULT_HEARTBEAT_S = 20.0  # websocket.heartbeat_s
 CLOSE_GOING_AWAY = WSCloseCode.GOING_AWAY  # 1001: the server is shutting down
 # After the app's own shutdown, aiohttp waits this long for handlers still running, then cancels
 # them and waits as long again (web.run_app's shutdown_timeout); the grace keeps room for both.
@@ -84,6 +85,12 @@ class Lifecycle:
         options.setdefault("autoping", True)
         ws = web.WebSocketResponse(**options)
         await ws.prepare(request)
+        return self.adopt(request, ws)
+
+    def adopt(self, request: web.Request, ws: web.WebSocketResponse) -> web.WebSocketResponse:
+        """Track a WebSocket a handler made (and prepared) itself, as ``websocket`` does its own."""
+        if self.stopping and not ws.closed:  # made while shutdown began: closed with the rest
+            asyncio.ensure_future(ws.close(code=CLOSE_GOING_AWAY, message=b"server shutdown"))
         self._sockets[ws] = request
         if request.task is not None:  # forgotten when its handler ends
             request.task.add_done_callback(lambda _task: self._sockets.pop(ws, None))
@@ -103,26 +110,31 @@ class Lifecycle:
             deadline.reschedule(now)
 
     async def stop(self, deadline: float) -> None:
-        """Close every WebSocket still open (1001), each given until ``deadline`` (loop time); a
-        peer that does not complete the close by then has its connection aborted."""
+        """Close every WebSocket still open (1001) and give each until ``deadline`` (loop time) to
+        finish its close; a connection still open then (a peer that stopped reading or answering) is
+        aborted. Call it once the calls are closed: a call's sockets close with its own last events
+        and reason first."""
         self.begin_stop()
         loop = asyncio.get_running_loop()
-        sockets = [(ws, request) for ws, request in self._sockets.items() if not ws.closed]
+        open_ = [(ws, request) for ws, request in self._sockets.items() if not _transport_closed(request)]
         closing = [asyncio.ensure_future(ws.close(code=CLOSE_GOING_AWAY, message=b"server shutdown"))
-                   for ws, _ in sockets]
-        if closing:
-            await asyncio.wait(closing, timeout=max(0.0, deadline - loop.time()))
+                   for ws, _ in open_ if not ws.closed]
+        while loop.time() < deadline and not all(_transport_closed(r) for _, r in open_):
+            await asyncio.sleep(0.05)
+        for ws, request in open_:
+            if not _transport_closed(request):
+                log.info("a WebSocket of %s did not close by the shutdown deadline: aborted", request.path)
+                request.transport.abort()
         for future in closing:
             if not future.done():
                 future.cancel()
-            elif not future.cancelled() and future.exception() is not None:
-                log.debug("closing a WebSocket at shutdown: %r", future.exception())
-        for ws, request in sockets:
-            if request.transport is not None and not request.transport.is_closing():
-                log.info("a WebSocket of %s did not close by the shutdown deadline: aborted", request.path)
-                request.transport.abort()
-        if closing:
-            await asyncio.gather(*closing, return_exceptions=True)
+        for result in await asyncio.gather(*closing, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.debug("closing a WebSocket at shutdown: %r", result)
+
+
+def _transport_closed(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
 
 
 LIFECYCLE_KEY = web.AppKey("lifecycle", Lifecycle)

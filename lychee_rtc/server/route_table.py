@@ -74,6 +74,9 @@ class Route:
     admits: str = ""
     opened_by: str = ""  # SESSION: which secrets open it, for the docs
     secret_in_path: bool = False  # SESSION: the path holds the secret (a WHIP resource URL): found is opened
+    # This declaration holds when the request has this query parameter (``GET /v1/realtime?call_id=``
+    # is a call's sideband, the same path without it a new session); one without holds otherwise.
+    query: str | None = None
     websocket: bool = False
     error: ErrorFactory = http.error_response  # the route's error body (OpenAI's carries param)
     forwarded: bool = False  # a cluster entry's route that the worker holding the session authorises
@@ -87,23 +90,38 @@ class Route:
 
     @property
     def shown_path(self) -> str:
-        """The path as the docs and the OpenAPI file write it (no pattern in a parameter)."""
+        """The path as the OpenAPI file writes it (no pattern in a parameter)."""
         return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", self.path)
+
+    @property
+    def shown(self) -> str:
+        """The path as the docs' table writes it (a selecting query parameter included)."""
+        return f"{self.shown_path}?{self.query}=…" if self.query else self.shown_path
 
 
 class RouteTable:
     def __init__(self) -> None:
         self.routes: list[Route] = []
-        self._by_route: dict[AbstractRoute, Route] = {}
+        self._by_route: dict[AbstractRoute, list[Route]] = {}
         self._static: dict[Any, Route] = {}
 
     def add(self, app: web.Application, route: Route) -> None:
-        if route.method == "GET":  # HEAD comes with it, under the same declaration
+        """Add ``route`` to ``app``'s router under its declaration; a second declaration of the same
+        method and path (told apart by ``query``) shares the first one's handler."""
+        same = [r for r in self.routes if (r.method, r.path) == (route.method, route.path)]
+        if same:
+            if route.handler is not same[0].handler:
+                raise ValueError(f"{route.method} {route.path}: declarations of one path share one handler")
+            for declared in self._by_route.values():
+                if declared[0] is same[0]:
+                    declared.append(route)
+        elif route.method == "GET":  # HEAD comes with it, under the same declaration
             added = app.router.add_get(route.path, route.handler)
             for other in added.resource:
-                self._by_route[other] = route
+                if other.method in ("GET", "HEAD"):
+                    self._by_route[other] = [route]
         else:
-            self._by_route[app.router.add_route(route.method, route.path, route.handler)] = route
+            self._by_route[app.router.add_route(route.method, route.path, route.handler)] = [route]
         self.routes.append(route)
 
     def add_static(self, app: web.Application, prefix: str, folder: Any) -> None:
@@ -114,10 +132,11 @@ class RouteTable:
 
     def find(self, request: web.Request) -> Route | None:
         matched = request.match_info.route
-        found = self._by_route.get(matched)
-        if found is None and matched is not None:
-            found = self._static.get(matched.resource)
-        return found
+        declared = self._by_route.get(matched)
+        if declared is None:
+            return self._static.get(matched.resource) if matched is not None else None
+        return next((r for r in declared if r.query is not None and r.query in request.query),
+                    next((r for r in declared if r.query is None), None))
 
     def undeclared(self, app: web.Application) -> list[str]:
         """Routes of ``app`` this table does not declare (none, for an app that may start)."""
@@ -133,14 +152,14 @@ class RouteTable:
     def markdown(self) -> str:
         """The table as docs/reliability.md shows it."""
         lines = ["| method | path | access | who may call it | body |", "|---|---|---|---|---|"]
-        for route in sorted(self.routes, key=lambda r: (r.shown_path, r.method)):
+        for route in sorted(self.routes, key=lambda r: (r.shown, r.method)):
             if route.websocket:
                 body = "WebSocket"
             elif route.body is not None:
                 body = f"{', '.join(route.body.types)}, at most {route.body.limit} bytes"
             else:
                 body = "none"
-            lines.append(f"| {route.method} | `{route.shown_path}` | {route.access.value} | {route.who} | {body} |")
+            lines.append(f"| {route.method} | `{route.shown}` | {route.access.value} | {route.who} | {body} |")
         return "\n".join(lines) + "\n"
 
 

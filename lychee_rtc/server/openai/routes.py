@@ -11,6 +11,8 @@
   so any process with the same server key verifies them (see ``client_secrets``).
 * ``GET /v1/realtime?call_id=…``: the sideband WebSocket, a server-side controller of a call
   speaking the GA dialect.
+* ``GET /v1/realtime`` without ``call_id`` (and ``/v1/duplex``): a whole session on one WebSocket,
+  audio in events (``socket.py``, ``server/realtime_socket.py``); the server key or an ``ek_`` key.
 
 Everything about one call opens with that call's own secrets or the server key (``auth``), in
 every mode: the session token its 201 carries in ``X-Session-Token``, or the ``ek_`` key that
@@ -58,6 +60,8 @@ from lychee_rtc.server.openai.session_config import (
     requested_processing,
     session_options,
 )
+from lychee_rtc.server.openai.socket import serve_openai_socket
+from lychee_rtc.server.realtime_socket import DUPLEX_PATH, REALTIME_PATH, SocketCalls, read_query
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
 
@@ -74,8 +78,10 @@ class RealtimeSurface:
     rtc: RtcNegotiator
     profile: RealtimeProfile
     secrets: ClientSecrets
+    sockets: SocketCalls
     sidebands: dict[str, int] = field(default_factory=dict)  # call id -> open sideband sockets
     gateway: Any = None  # the SIP gateway (JanusSipGateway), when one is configured: SIP call control
+    duplex: Any = None  # vLLM-Omni's dialect of the socket (server.duplex.route.DuplexSockets)
 
 
 REALTIME_KEY = web.AppKey("realtime", RealtimeSurface)
@@ -321,7 +327,25 @@ async def create_client_secret(request: web.Request) -> web.Response:
     return http.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective})
 
 
-# --- sideband ---------------------------------------------------------------------------------------
+# --- sockets ----------------------------------------------------------------------------------------
+
+
+async def realtime_socket(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/realtime``: the sideband of a call (``call_id``: its declaration found the call and
+    checked its secret), or a session on this socket (the server key or an admitted ``ek_`` key)."""
+    if "call_id" in request.query and request.path == REALTIME_PATH:
+        return await sideband(request)
+    surface = request.app[REALTIME_KEY]
+    secret: ClientSecret | None = request.get(ADMITTED_KEY)
+    try:
+        query = read_query(request)
+    except http.BodyError as exc:
+        return exc.response(param=None)
+    if query.duplex:
+        if surface.duplex is None:
+            return error(404, "not_found", "this server does not speak the duplex dialect")
+        return await surface.duplex.handle(request, query, secret)
+    return await serve_openai_socket(request, surface.settings, surface.profile, surface.sockets, query, secret)
 
 
 async def sideband(request: web.Request) -> web.StreamResponse:
@@ -348,8 +372,10 @@ async def sideband(request: web.Request) -> web.StreamResponse:
 
 
 def install(app: web.Application, settings: Settings, registry: CallRegistry, rtc: RtcNegotiator,
-            profile: RealtimeProfile) -> None:
-    app[REALTIME_KEY] = RealtimeSurface(settings, registry, rtc, profile, ClientSecrets(settings.server.auth_token))
+            profile: RealtimeProfile) -> RealtimeSurface:
+    surface = app[REALTIME_KEY] = RealtimeSurface(settings, registry, rtc, profile,
+                                                  ClientSecrets(settings.server.auth_token),
+                                                  SocketCalls(settings, registry))
     table = table_of(app)
     json_body = Body(("application/json",), MAX_SESSION_PART_BYTES)
     calls_body = Body(("application/sdp", "multipart/form-data"), settings.server.max_sdp_bytes + MAX_SESSION_PART_BYTES)
@@ -365,7 +391,14 @@ def install(app: web.Application, settings: Settings, registry: CallRegistry, rt
         Route("POST", CALLS_PATH + "/{call_id}/refer", refer, Access.SESSION, json_body, locate=locate_call,
               opened_by=f"{CALL_OPENED_BY} (a SIP call: the server key only)", error=error),
         Route("POST", "/v1/realtime/client_secrets", create_client_secret, Access.ADMIN, json_body, error=error),
-        Route("GET", "/v1/realtime", sideband, Access.SESSION, locate=locate_sideband, websocket=True,
-              opened_by=f"the call_id's: {CALL_OPENED_BY}", error=error),
+        # One path, two routes: with call_id, a call's sideband; without, a session on the socket.
+        Route("GET", REALTIME_PATH, realtime_socket, Access.SESSION, locate=locate_sideband, websocket=True,
+              query="call_id", opened_by=f"the call_id's: {CALL_OPENED_BY}", error=error),
+        Route("GET", REALTIME_PATH, realtime_socket, Access.CREATE, admit=admit_client_secret,
+              admits="an ek_ client key", websocket=True, error=error),
+        Route("GET", DUPLEX_PATH, realtime_socket, Access.CREATE, admit=admit_client_secret,
+              admits="an ek_ client key (a resume: its resume token, in the first message)", websocket=True,
+              error=error),
     ):
         table.add(app, route)
+    return surface
