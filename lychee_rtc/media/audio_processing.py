@@ -72,6 +72,11 @@ def _load_module() -> Any:
     return AudioFrame, AudioProcessingModule
 
 
+def require_library() -> None:
+    """Raises ProcessingUnavailable where the library is not installed."""
+    _load_module()
+
+
 def _to_int16(x: np.ndarray) -> bytearray:
     return bytearray((np.clip(x, -1.0, 1.0) * 32767.0).astype(np.int16).tobytes())
 
