@@ -167,7 +167,8 @@ class RtcNegotiator:
         """
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         track = self._new_track()
-        session = self.registry.new_session(slot, track, options, False, origin)
+        # A phone call like those the gateway answers: the phone legs' processing (audio_processing.sip).
+        session = self.registry.new_session(slot, track, options, False, origin, ingress="sip")
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
                        token=None)
         track.listener = session
