@@ -25,6 +25,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),
     "aec": ("lychee_rtc.bench.aec", "echo cancellation and noise suppression on a simulated speakerphone: ERLE, distortion, CPU"),
     "recording": ("lychee_rtc.bench.recording", "CPU and disk per recorded call-minute (Ogg/Opus + sidecar)"),
+    "recording-crash": ("lychee_rtc.bench.recording_crash", "audio a recording loses when its server is SIGKILLed mid-call"),
+    "recording-alignment": ("lychee_rtc.bench.recording_alignment", "whether a recording's two channels keep the caller's time (chirps, loopback engine)"),
     "e2e": ("lychee_rtc.bench.e2e", "N callers speaking recorded utterances through the server (lychee profile)"),
 }
 
