@@ -150,8 +150,9 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
         leg_up = call.connected_at - call.negotiated_at
         print(f"dial to ringing {ringing * 1000:.0f} ms; answer to the WebRTC leg up {leg_up * 1000:.0f} ms; "
               f"answer to the first audio packet at the callee {first_audio * 1000:.0f} ms")
-    score = best_match(received_audio(rtp), speech_8k)
-    assert score > 0.7, f"echo correlation {score:.2f}"
+    score = best_match(received_audio(rtp), speech_8k, RATE)
+    print(f"echo correlation {score:.3f}")
+    assert score > 0.9, f"echo correlation {score:.2f}"
 
 
 @pytest.mark.parametrize("user, answer, status, sip_status", [("bob", "486 Busy Here", "busy", 486),
