@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "telephony": ("lychee_rtc.bench.telephony", "mouth-to-ear of a phone call through the carrier WebSocket (loopback engine)"),
     "soak": ("lychee_rtc.bench.soak", "calls that come and go for minutes; server memory, threads and fds over time"),
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),
+    "bargein": ("lychee_rtc.bench.bargein", "when the engine hears a caller talk over the agent: processing on/off, echo or none"),
     "aec": ("lychee_rtc.bench.aec", "echo cancellation and noise suppression on a simulated speakerphone: ERLE, distortion, CPU"),
     "recording": ("lychee_rtc.bench.recording", "CPU and disk per recorded call-minute (Ogg/Opus + sidecar)"),
     "recording-crash": ("lychee_rtc.bench.recording_crash", "audio a recording loses when its server is SIGKILLed mid-call"),
