@@ -49,6 +49,10 @@ def test_the_stage_removes_a_room_echo_of_what_the_transport_sent():
     erle = 10 * np.log10(np.mean(mic[tail] ** 2) / np.mean(processed[tail] ** 2))
     assert erle > 25, f"echo reduced by only {erle:.1f} dB"
     assert stage.counters.reference_frames == stage.counters.frames == len(processed) // FRAME
+    # The echo was found at once and the engine heard the canceller from then on: an echo alone is
+    # never taken for the caller talking over it.
+    assert stage.counters.cancelled_frames > stage.counters.frames - 0.5 * RATE // FRAME
+    assert stage.counters.double_talk_frames == 0
     stage.close()
 
 

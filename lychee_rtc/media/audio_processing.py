@@ -61,6 +61,12 @@ LEAD_WINDOW_FRAMES = 50
 # path without it is delayed as much, so the uplink keeps its timing when the engine is switched
 # from one to the other.
 CANCELLER_LAG_MS = 8
+DOUBLE_TALK_GAIN = 10 ** (-12 / 10)  # within 12 dB of its input through AEC3: the caller talks
+DOUBLE_TALK_FLOOR = 1e-6  # an input below -60 dBFS is no one talking
+DOUBLE_TALK_OVER_NOISE = 30.0  # ... nor one less than 15 dB over the line's noise
+DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last second
+NOISE_WINDOW_FRAMES = 200
+DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the caller was last found
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -89,6 +95,7 @@ class ProcessingCounters:
     reference_trimmed_s: float = 0.0  # far end dropped: standing too far ahead of the uplink
     reference_cut_s: float = 0.0  # far end taken back at interruptions (never reached the caller)
     cancelled_frames: int = 0  # ... of the frames, those the engine heard through the echo canceller
+    double_talk_frames: int = 0  # frames where the caller was found talking over the echo
 
 
 class AudioProcessingStage:
@@ -114,6 +121,9 @@ class AudioProcessingStage:
         self._plain_delay = np.zeros(0, np.float32)
         self._presence: EchoPresence | None = None
         self._cancelling = False  # the engine hears the canceller's output
+        self._leaking = 0  # frames running that came through the canceller nearly whole
+        self._talk_left = 0  # frames the caller is still taken to talk over the echo
+        self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
         self._reference = np.zeros(0, np.float32)  # far end not yet given to the canceller
         self._depths: deque[int] = deque(maxlen=LEAD_WINDOW_FRAMES)  # queue depth at recent frames
@@ -257,7 +267,7 @@ class AudioProcessingStage:
         delayed = np.concatenate([self._plain_delay, plain])
         plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
         assert self._presence is not None
-        echo = self._presence.update(reference, samples)
+        echo = self._presence.update(reference, samples) and not self._caller_over_echo(plain, cancelled)
         was, self._cancelling = self._cancelling, echo
         if echo:
             self.counters.cancelled_frames += 1
@@ -265,6 +275,30 @@ class AudioProcessingStage:
             return cancelled if echo else plain
         ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
         return (cancelled * ramp + plain * (1 - ramp)) if echo else (plain * ramp + cancelled * (1 - ramp))
+
+    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray) -> bool:
+        """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
+        comes through it within ``DOUBLE_TALK_DB`` of its input, two frames running, is the caller.
+        The engine then hears the line as it is (echo and all, as without processing) rather than
+        AEC3's suppressor, which takes the caller down 10-25 dB for the first 60-200 ms of speech
+        over an echo as loud (and the VAD hears the barge-in that much late), until
+        ``DOUBLE_TALK_HOLD_FRAMES`` after it stops."""
+        level_in = float(np.mean(np.square(plain)))
+        self._levels.append(level_in)
+        # Only speech at full voice: well above the line's noise, which AEC3 leaves as it is (the
+        # least level of the last two seconds), and near the loudest of the last second, not the
+        # quiet ends of the echo's words, which AEC3 takes down less.
+        recent = list(self._levels)[-NOISE_WINDOW_FRAMES // 2:]
+        loud = level_in > max(DOUBLE_TALK_FLOOR, DOUBLE_TALK_OVER_NOISE * min(self._levels),
+                              DOUBLE_TALK_UNDER_PEAK * max(recent))
+        through = loud and float(np.mean(np.square(cancelled))) > DOUBLE_TALK_GAIN * level_in
+        self._leaking = self._leaking + 1 if through else 0
+        if self._leaking >= 2:
+            self._talk_left = DOUBLE_TALK_HOLD_FRAMES
+            self.counters.double_talk_frames += 1
+        elif self._talk_left:
+            self._talk_left -= 1
+        return self._talk_left > 0
 
 
 def _module(module: Any, settings: AudioProcessing) -> Any:
