@@ -61,7 +61,12 @@ LEAD_WINDOW_FRAMES = 50
 # path without it is delayed as much, so the uplink keeps its timing when the engine is switched
 # from one to the other.
 CANCELLER_LAG_MS = 8
-DOUBLE_TALK_GAIN = 10 ** (-12 / 10)  # within 12 dB of its input through AEC3: the caller talks
+# The agent's first sound on a call: from it, the echo's longest delay (0.5 s) and the time its
+# search takes (0.1-0.2 s) pass before the engine may hear the line without the canceller.
+REFERENCE_AUDIBLE = 1e-3
+SETTLE_FRAMES = 70
+DOUBLE_TALK_GAIN = 10 ** (-10 / 10)  # within 10 dB of its input through AEC3 ...
+DOUBLE_TALK_FRAMES = 3  # ... three frames running: the caller talks
 DOUBLE_TALK_FLOOR = 1e-6  # an input below -60 dBFS is no one talking
 DOUBLE_TALK_OVER_NOISE = 30.0  # ... nor one less than 15 dB over the line's noise
 DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last second
@@ -121,6 +126,7 @@ class AudioProcessingStage:
         self._plain_delay = np.zeros(0, np.float32)
         self._presence: EchoPresence | None = None
         self._cancelling = False  # the engine hears the canceller's output
+        self._first_sound: int | None = None  # the frame in which the agent was first heard
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
@@ -145,6 +151,8 @@ class AudioProcessingStage:
         if settings == self.settings and (self._apm is not None) == settings.active:
             return held
         self._plain, self._presence, self._cancelling = None, None, False
+        self._first_sound, self._leaking, self._talk_left = None, 0, 0
+        self._levels.clear()
         if settings.active:
             frame_cls, module = _load_module()
             self._apm = _module(module, settings)
@@ -267,7 +275,14 @@ class AudioProcessingStage:
         delayed = np.concatenate([self._plain_delay, plain])
         plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
         assert self._presence is not None
-        echo = self._presence.update(reference, samples) and not self._caller_over_echo(plain, cancelled)
+        found = self._presence.update(reference, samples)
+        if self._first_sound is None and float(np.max(np.abs(reference))) > REFERENCE_AUDIBLE:
+            self._first_sound = self.counters.frames
+        # Until the echo could have been found (its longest delay and the search's own time after the
+        # agent's first sound), the line is not known: the canceller's output, so that an echo the
+        # search has not found yet does not reach the engine whole. Then only where it was found.
+        settling = self._first_sound is not None and self.counters.frames - self._first_sound < SETTLE_FRAMES
+        echo = (found or settling) and not self._caller_over_echo(plain, cancelled)
         was, self._cancelling = self._cancelling, echo
         if echo:
             self.counters.cancelled_frames += 1
@@ -278,7 +293,7 @@ class AudioProcessingStage:
 
     def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
-        comes through it within ``DOUBLE_TALK_DB`` of its input, two frames running, is the caller.
+        comes through it within 10 dB of its input, three frames running, is the caller.
         The engine then hears the line as it is (echo and all, as without processing) rather than
         AEC3's suppressor, which takes the caller down 10-25 dB for the first 60-200 ms of speech
         over an echo as loud (and the VAD hears the barge-in that much late), until
@@ -293,7 +308,7 @@ class AudioProcessingStage:
                               DOUBLE_TALK_UNDER_PEAK * max(recent))
         through = loud and float(np.mean(np.square(cancelled))) > DOUBLE_TALK_GAIN * level_in
         self._leaking = self._leaking + 1 if through else 0
-        if self._leaking >= 2:
+        if self._leaking >= DOUBLE_TALK_FRAMES:
             self._talk_left = DOUBLE_TALK_HOLD_FRAMES
             self.counters.double_talk_frames += 1
         elif self._talk_left:
