@@ -200,6 +200,9 @@ async def test_a_barge_in_is_heard_at_once_and_answered_intact_with_the_default_
             await talk
             await until(lambda: phone.log.clears, what="the flush reaching the carrier")
             second = phone.heard(since=phone.log.clears[-1])
+            # No echo on this line: the engine heard it without the canceller all along.
+            _, listing = await get_json(url, "/v1/sessions")
+            assert listing["sessions"][0]["audio_processing"]["echo_detected"] is False
             score = best_match(at_rate_up(second, rate), at_rate_up(said, rate))
             print(f"{provider}: barge-in start {heard['audio_start_ms'] - onset:+.0f} ms from the onset; "
                   f"answer correlation {score:.3f}")

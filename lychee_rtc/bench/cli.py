@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "browser": ("lychee_rtc.bench.browser", "the /latency tester page in headless Chromium (mouth-to-ear, response latency); prints its JSON"),
     "levers": ("lychee_rtc.bench.levers", "each browser latency lever (10 ms packets, loopback window, jitterBufferTarget) against the default and the aiortc relay"),
     "telephony": ("lychee_rtc.bench.telephony", "mouth-to-ear of a phone call through the carrier WebSocket (loopback engine)"),
+    "sip": ("lychee_rtc.bench.sip", "dial, answer and transfer times through the local Kamailio + Janus stack (SIPp, baresip)"),
     "soak": ("lychee_rtc.bench.soak", "calls that come and go for minutes; server memory, threads and fds over time"),
     "gpu": ("lychee_rtc.bench.gpu", "Lychee-FD + Token2Wav at full size on one GPU: eager vs CUDA graphs, C1-C16"),
     "bargein": ("lychee_rtc.bench.bargein", "when the engine hears a caller talk over the agent: processing on/off, echo or none"),
