@@ -30,6 +30,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "recording-crash": ("lychee_rtc.bench.recording_crash", "audio a recording loses when its server is SIGKILLed mid-call"),
     "recording-alignment": ("lychee_rtc.bench.recording_alignment", "whether a recording's two channels keep the caller's time (chirps, loopback engine)"),
     "e2e": ("lychee_rtc.bench.e2e", "N callers speaking recorded utterances through the server (lychee profile)"),
+    "websocket": ("lychee_rtc.bench.websocket", "the realtime WebSocket beside WebRTC: latency, CPU, capacity, throughput, vLLM-Omni's ttfp/RTF"),
+    "long-call": ("lychee_rtc.bench.long_call", "long conversations on the Lychee-FD engine (tiny, CPU), faster than real time: memory, step time, slides"),
+    "slide": ("lychee_rtc.bench.slide", "window step time around context slides and each slide's cost (tiny on CPU, full size on a GPU)"),
 }
 
 
