@@ -165,6 +165,21 @@ def parse_rtp(packets: list[tuple[float, bytes]]) -> list[Rtp]:
     return out
 
 
+def pcmu_audio(packets: list[Rtp]) -> np.ndarray:
+    """The audio itself, for comparing content: payloads in RTP timestamp order, each timestamp once,
+    the gaps between them closed. A server that skipped the slots of a stall sent its audio on, with
+    the timestamps jumping over them (rtc/outbound.py); ``pcmu_signal`` keeps that timing, gaps as
+    silence, and a content comparison of it would measure the stall, not what was heard."""
+    audio = [p for p in packets if p.payload_type == PT_PCMU]
+    if not audio:
+        return np.zeros(0, np.float32)
+    base = audio[0].timestamp
+    seen: dict[int, bytes] = {}
+    for p in audio:
+        seen.setdefault((p.timestamp - base) & 0xFFFFFFFF, p.payload)
+    return np.concatenate([ulaw_decode(seen[t]) for t in sorted(seen)])
+
+
 def pcmu_signal(packets: list[Rtp]) -> tuple[np.ndarray, int]:
     """The caller's received audio placed by RTP timestamp (gaps as silence), and its first timestamp."""
     audio = [p for p in packets if p.payload_type == PT_PCMU]

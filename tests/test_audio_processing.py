@@ -49,6 +49,10 @@ def test_the_stage_removes_a_room_echo_of_what_the_transport_sent():
     erle = 10 * np.log10(np.mean(mic[tail] ** 2) / np.mean(processed[tail] ** 2))
     assert erle > 25, f"echo reduced by only {erle:.1f} dB"
     assert stage.counters.reference_frames == stage.counters.frames == len(processed) // FRAME
+    # The echo was found at once and the engine heard the canceller from then on: an echo alone is
+    # never taken for the caller talking over it.
+    assert stage.counters.cancelled_frames > stage.counters.frames - 0.5 * RATE // FRAME
+    assert stage.counters.double_talk_frames == 0
     stage.close()
 
 
@@ -173,6 +177,28 @@ async def test_openai_noise_reduction_sets_the_processing():
             await client.close()
 
 
+async def test_openai_sessions_report_the_noise_reduction_applied():
+    """``noise_reduction`` says what runs: the echo canceller without noise suppression is not far_field."""
+    phone_like = {"echo_cancellation": True, "high_pass_filter": True}
+    async with running_server(server={"auth_token": KEY}, audio_processing={"webrtc": phone_like}) as (url, _):
+        client, call_id = await open_call(url, AUTH, session={"type": "realtime"})
+        try:
+            created = await client.wait_event("session.created")
+            assert created["session"]["audio"]["input"]["noise_reduction"] is None
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/sessions/{call_id}", headers=AUTH) as resp:
+                    active = (await resp.json())["audio_processing"]
+            assert active["echo_cancellation"] and not active["noise_suppression"]
+            n = len(client.events)
+            client.send({"type": "session.update",  # noise suppression on top: now both, far_field
+                         "session": {"type": "realtime", "audio": {"input": {"noise_reduction": {"type": "far_field"}}}}})
+            updated = await client.wait_event("session.updated", after=n)
+            assert updated["session"]["audio"]["input"]["noise_reduction"] == {"type": "far_field"}
+            assert updated["lychee_rtc"]["ignored"] == []
+        finally:
+            await client.close()
+
+
 async def test_without_the_aec_extra_calls_run_unprocessed_and_asking_for_it_is_refused(monkeypatch):
     # The default install has no livekit: its import fails as it would there.
     monkeypatch.setitem(sys.modules, "livekit", None)
@@ -184,6 +210,17 @@ async def test_without_the_aec_extra_calls_run_unprocessed_and_asking_for_it_is_
         with pytest.raises(RuntimeError, match="audio_processing_unavailable"):
             await refused.connect(session={"audio_processing": {"noise_suppression": True}})
         await refused.close()
+        # A client secret whose every call would be refused is refused when it is minted.
+        async with aiohttp.ClientSession() as http:
+            for wanted, status in (({"type": "far_field"}, 400), ({"type": "near_field"}, 400), (None, 200)):
+                session = {"type": "realtime", "audio": {"input": {"noise_reduction": wanted}}}
+                async with http.post(f"{url}/v1/realtime/client_secrets", json={"session": session}) as resp:
+                    body = await resp.json()
+                    assert resp.status == status, body
+                    if status == 400:
+                        assert body["error"]["code"] == "audio_processing_unavailable"
+                        assert body["error"]["param"] == "session.audio.input.noise_reduction"
+                        assert "lychee-rtc[aec]" in body["error"]["message"]
         client = RtcClient(url)
         await client.connect()
         try:

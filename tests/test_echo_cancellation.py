@@ -14,7 +14,7 @@ import asyncio
 import numpy as np
 import pytest
 from conftest import PATIENT_WINDOWS, running_server, synthesize
-from telephony_support import EventStream, carrier, spec
+from telephony_support import EventStream, carrier, get_json, spec
 from test_telephony import at_rate, phone_server
 
 from lychee_rtc.bench.client import RATE
@@ -126,6 +126,9 @@ async def test_a_phone_on_speaker_behind_a_carrier(processing):
                 assert done["response"]["status"] == "completed", "the agent interrupted itself"
                 assert not heard_itself
                 assert done["response"]["played_ms"] > 12_000
+                # The stage found the echo on the line (the engine hears the canceller only there).
+                _, listing = await get_json(url, "/v1/sessions")
+                assert listing["sessions"][0]["audio_processing"]["echo_detected"] is True
             else:
                 assert done["response"]["status_details"]["reason"] == "barge_in"
         finally:

@@ -111,7 +111,11 @@ async def test_a_server_killed_mid_call_leaves_a_playable_recording(tmp_path, lo
 
     audio = decode((tmp_path / client.session_id / "audio.ogg").read_bytes())
     lived = killed_at - started_at
-    assert len(audio) / REC_RATE >= lived - 2.0, (len(audio) / REC_RATE, lived)
+    # The live copy trails the call by 0.25 s of placement latency, a 40 ms block, a 50 ms page and
+    # the writer's 50 ms wake-up: 0.33-0.39 s measured after SIGKILL on a busy machine (bench
+    # recording-crash); the 0.75 s asked leaves a stalled writer thread room and still fails the
+    # 0.73-0.98 s the writer lost before.
+    assert len(audio) / REC_RATE >= lived - 0.75, (len(audio) / REC_RATE, lived)
     # What was recorded is the call: the caller's utterance is there.
     caller = audio[:, 0]
     lag = lag_of(np.concatenate([sent, np.zeros(len(caller))]), caller)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -239,7 +240,12 @@ async def test_an_openai_call_asks_for_its_recording_with_the_lychee_rtc_extensi
             client.send({"type": "session.update", "session": {"type": "realtime", "lychee_rtc": {"recording": False}}})
             updated = await client.wait_event("session.updated", timeout=60)
             assert updated["lychee_rtc"]["recording"] == "paused"
-            assert "lychee_rtc.recording" not in updated["lychee_rtc"].get("ignored", [])
+            # Applied, so not listed as ignored: neither the field nor the block it is in.
+            assert updated["lychee_rtc"]["ignored"] == []
+            client.send({"type": "session.update",
+                         "session": {"type": "realtime", "lychee_rtc": {"recording": False, "colour": "red"}}})
+            unknown = await client.wait_event("session.updated", timeout=60, after=len(client.events))
+            assert unknown["lychee_rtc"]["ignored"] == ["lychee_rtc.colour"]
             client.send({"type": "session.update", "session": {"type": "realtime", "lychee_rtc": {"recording": 1}}})
             error = await client.wait_event("error", timeout=60)
             assert error["error"]["code"] == "invalid_session"
@@ -265,6 +271,39 @@ async def test_an_openai_call_asks_for_its_recording_with_the_lychee_rtc_extensi
                     check_response("/v1/realtime/calls", "POST", 400, resp.headers, body)
                     assert json.loads(body)["error"]["code"] == "recording_not_allowed"
             assert not app[REGISTRY_KEY].calls
+            # A client secret asking for it would open no call either: refused when it is minted.
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/realtime/client_secrets", headers=ADMIN,
+                                     json={"session": {"type": "realtime", "lychee_rtc": {"recording": True}}}) as resp:
+                    body = await resp.read()
+                    assert resp.status == 400, body
+                    check_response("/v1/realtime/client_secrets", "POST", 400, resp.headers, body)
+                    assert json.loads(body)["error"]["code"] == "recording_not_allowed"
+        finally:
+            await client.close()
+
+
+def readme_recording_event() -> dict:
+    """The event README.md shows for turning a call's recording on, as written there."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("**Call recording**"):]
+    block = section[section.index("```json") + len("```json"):section.index("```", section.index("```json") + 7)]
+    return json.loads(block)
+
+
+async def test_the_readme_event_turns_a_call_recording_on_as_written(tmp_path):
+    event = readme_recording_event()
+    async with running_server(recording={"directory": str(tmp_path)}) as (url, _):
+        client = RtcClient(url)
+        await client.connect()
+        try:
+            created = await client.wait_event("session.created", timeout=60)
+            assert created["session"]["recording"] == "off"
+            client.send(event)
+            updated = await client.wait_event("session.updated", timeout=60)
+            assert updated["session"]["recording"] == "recording"
+            assert not [e for e in client.events if e["type"] == "error"]
+            await wait_until(lambda: (tmp_path / client.session_id / "audio.ogg").exists(), 30, "the recording")
         finally:
             await client.close()
 

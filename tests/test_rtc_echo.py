@@ -36,22 +36,27 @@ def envelope(x: np.ndarray, hop: int = 480) -> np.ndarray:
     return np.sqrt(np.mean(x[: n * hop].reshape(n, hop) ** 2, axis=1)) if n else np.zeros(0)
 
 
-def best_match(haystack: np.ndarray, needle: np.ndarray) -> float:
+def best_match(haystack: np.ndarray, needle: np.ndarray, rate: int = RATE) -> float:
     """Peak normalised correlation of 10 ms energy envelopes (robust to codec phase changes).
 
-    The needle is trimmed to its voiced part and slid over the zero-padded haystack.
+    The needle is trimmed to its voiced part and slid over the zero-padded haystack, whose
+    envelope is taken at four offsets a quarter of a frame apart: on a grid of whole frames alone
+    a lag between two of them would cost the match up to a third of its value (an 8 kHz phone leg
+    once read 0.65 this way where its echo was 0.97). ``rate``: of both signals.
     """
-    b = envelope(needle)
+    hop = rate // 100
+    b = envelope(needle, hop)
     voiced = np.flatnonzero(b > 0.1 * b.max())
     b = b[voiced[0]:voiced[-1] + 1]
-    a = np.concatenate([np.zeros(len(b)), envelope(haystack), np.zeros(len(b))])
     b = (b - b.mean()) / (b.std() + 1e-9)
     best = -1.0
-    for lag in range(len(a) - len(b) + 1):
-        w = a[lag:lag + len(b)]
-        if w.std() < 1e-6:
-            continue
-        best = max(best, float(np.mean((w - w.mean()) / w.std() * b)))
+    for offset in range(0, hop, max(1, hop // 4)):
+        a = np.concatenate([np.zeros(len(b)), envelope(haystack[offset:], hop), np.zeros(len(b))])
+        for lag in range(len(a) - len(b) + 1):
+            w = a[lag:lag + len(b)]
+            if w.std() < 1e-6:
+                continue
+            best = max(best, float(np.mean((w - w.mean()) / w.std() * b)))
     return best
 
 

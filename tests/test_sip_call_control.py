@@ -126,7 +126,9 @@ async def test_incoming_call_is_announced_accepted_heard_and_hung_up(stack, tmp_
             assert result.returncode == 0, result.explain()
             rtp = await capture.stop()
         assert call.session.close_reason == "hangup"
-    assert best_match(received_audio(rtp), speech_8k) > 0.7
+    score = best_match(received_audio(rtp), speech_8k, RATE)
+    print(f"echo correlation {score:.3f}")
+    assert score > 0.9, f"echo correlation {score:.2f}"
 
 
 async def test_incoming_call_rejected_or_left_undecided(stack, tmp_path):

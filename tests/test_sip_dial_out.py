@@ -22,13 +22,34 @@ from test_rtc_echo import best_match
 from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
 
 from lychee_rtc.calls.tokens import new_session_token
-from lychee_rtc.gateway.dial_out import sip_target, status_for_sip_code, valid_target
+from lychee_rtc.gateway.dial_out import OutboundCall, sip_target, status_for_sip_code, valid_target
 from lychee_rtc.gateway.transfer import sipfrag_status
 from lychee_rtc.server.app import GATEWAY_KEY, REGISTRY_KEY
 from lychee_rtc.session.event_stream import EventChannel
 from lychee_rtc.session.native import NativeDialect
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def test_an_attempt_reports_its_final_status_and_how_an_answered_call_ended():
+    unanswered = OutboundCall(to="sip:a@b", caller_id=None, ring_timeout_s=5)
+    unanswered.set_status("ringing", 180)
+    unanswered.set_status("busy", 486)
+    assert (unanswered.status, unanswered.sip_status) == ("busy", 486)
+    given_up = OutboundCall(to="sip:a@b", caller_id=None, ring_timeout_s=5)
+    given_up.set_status("ringing", 183)
+    given_up.set_status("no_answer", None, "no final answer within 5 s: cancelled")
+    assert given_up.sip_status is None and given_up.reason.startswith("no final answer")
+    answered = OutboundCall(to="sip:a@b", caller_id=None, ring_timeout_s=5)
+    answered.set_status("answered", 200)
+    assert answered.duration_s is not None and answered.resource()["duration_s"] is None  # not over yet
+    answered.end("caller_hangup")
+    body = answered.resource()
+    assert (body["status"], body["sip_status"], body["hung_up_by"], body["reason"]) == (
+        "completed", 200, "far_end", "caller_hangup")
+    assert body["duration_s"] == answered.duration_s >= 0
+    answered.end("deleted")  # a second end changes nothing
+    assert answered.hung_up_by == "far_end"
 
 
 def test_targets_and_outcomes():
@@ -119,9 +140,20 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
             assert result.returncode == 0, result.explain()
             rtp = await capture.stop()
         statuses = [(e["status"], e.get("sip_status")) for e in tap.of("call.status")]
-        assert statuses[0] == ("dialing", None) and ("ringing", 180) in statuses and statuses[-1] == ("answered", 200)
+        assert statuses[0] == ("dialing", None) and ("ringing", 180) in statuses and statuses[-2:] == [
+            ("answered", 200), ("completed", 200)]
+        # Its event stream hears how it ended, before the session's last event.
+        completed = tap.of("call.status")[-1]
+        assert completed["hung_up_by"] == "server" and completed["reason"] == "deleted"
+        assert tap.events.index(completed) < tap.events.index(tap.of("session.closed")[0])
         ended = await resource(url, body)
-        assert ended["status"] == "completed" and ended["reason"] == "deleted"
+        assert ended["status"] == "completed" and ended["reason"] == "deleted" and ended["hung_up_by"] == "server"
+        assert ended["duration_s"] == completed["duration_s"] == pytest.approx(ended["ended_at"] - ended["answered_at"],
+                                                                               abs=0.01)
+        assert ended["duration_s"] > 0
+        # A phone call like an answered one: the phone legs' processing, not a browser's.
+        processing = tap.of("session.created")[0]["session"]["audio_processing"]
+        assert processing["echo_cancellation"] and processing["high_pass_filter"]
         assert app[GATEWAY_KEY].counters.dial_answered == 1 and app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
         ringing = answered["ringing_at"] - dialled_at
         audio = [p.arrival for p in rtp if p.payload_type == 0]
@@ -129,8 +161,9 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
         leg_up = call.connected_at - call.negotiated_at
         print(f"dial to ringing {ringing * 1000:.0f} ms; answer to the WebRTC leg up {leg_up * 1000:.0f} ms; "
               f"answer to the first audio packet at the callee {first_audio * 1000:.0f} ms")
-    score = best_match(received_audio(rtp), speech_8k)
-    assert score > 0.7, f"echo correlation {score:.2f}"
+    score = best_match(received_audio(rtp), speech_8k, RATE)
+    print(f"echo correlation {score:.3f}")
+    assert score > 0.9, f"echo correlation {score:.2f}"
 
 
 @pytest.mark.parametrize("user, answer, status, sip_status", [("bob", "486 Busy Here", "busy", 486),
@@ -174,6 +207,11 @@ async def test_unanswered_call_times_out_and_frees_everything(stack, tmp_path):
         final = await resource(url, body)
         assert final["status"] == "no_answer" and final["ringing_at"] is not None
         assert final["ended_at"] - final["created_at"] >= 3
+        # It rang (180) but that is no outcome: our CANCEL ended it, and Janus reports no final
+        # status for that, so none, with the reason.
+        assert final["sip_status"] is None and "3 s" in final["reason"]
+        last = tap.of("call.status")[-1]
+        assert last["status"] == "no_answer" and "sip_status" not in last and last["reason"] == final["reason"]
         assert app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
         assert app[GATEWAY_KEY].status()["busy_lines"] == 0
 

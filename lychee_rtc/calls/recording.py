@@ -77,6 +77,7 @@ class CallRecording:
     def rebind(self, sink: AudioSink) -> None:
         if self.recorder is not None and isinstance(sink, EpochSink):
             sink.sent_tap = self.recorder
+            self.recorder.codec_delay_s = sink.codec_delay_s
 
     def close(self, reason: str) -> None:
         if self.recorder is None:

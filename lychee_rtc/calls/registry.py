@@ -24,7 +24,7 @@ from lychee_rtc.calls.recording import CallRecording
 from lychee_rtc.config import AudioProcessing, Settings
 from lychee_rtc.engine.base import CapacityError, SessionOptions
 from lychee_rtc.engine.scheduler import Engine, EngineSlot
-from lychee_rtc.media.audio_processing import SUPPORTED_RATES, AudioProcessingStage
+from lychee_rtc.media.audio_processing import SUPPORTED_RATES, AudioProcessingStage, require_library
 from lychee_rtc.media.epoch_sink import EpochSink
 from lychee_rtc.media.recording.store import RecordingStore
 from lychee_rtc.session.processing import ProcessingUnavailable
@@ -121,6 +121,16 @@ class CallRegistry:
         """The stage ``new_session`` gave the session, for a new transport to feed."""
         stage = session.processing
         return stage if isinstance(stage, AudioProcessingStage) else None
+
+    def check_processing(self, changes: dict[str, bool]) -> None:
+        """Raises ProcessingUnavailable if ``changes`` ask for a stage this server cannot run: for
+        what is settled before any call exists (a client secret's configuration)."""
+        if not any(changes.values()):
+            return
+        rate = self.engine.capabilities.input_rate
+        if rate not in SUPPORTED_RATES:
+            raise ProcessingUnavailable(f"the engine's input rate {rate} Hz has no audio processing")
+        require_library()
 
     def _processing(self, ingress: str, changes: dict[str, bool]) -> AudioProcessingStage | None:
         rate = self.engine.capabilities.input_rate

@@ -26,6 +26,8 @@ from lychee_rtc.strict_text import UnsafeText, strict_text
 
 # Final states; "answered" becomes "completed" when the answered call ends.
 FINAL = frozenset({"busy", "declined", "no_answer", "failed", "cancelled", "completed"})
+# Session close reasons that mean the far end ended the call (its BYE, its leg gone).
+FAR_END_REASONS = frozenset({"caller_hangup"})
 # Matched whole (strict_text: fullmatch, no control character anywhere, bounded).
 SIP_URI = re.compile(r"sips?:[^@\s<>\"]+@[^\s<>\"]+|tel:\+?[0-9*#][0-9*#().-]*(;[^\s<>\"]*)?")
 MAX_URI = 256
@@ -35,6 +37,14 @@ def sip_uri(value: object, what: str) -> str:
     """``value`` if it is a ``sip:``/``sips:`` URI with a user part or a ``tel:`` number, whole and
     printable; ``UnsafeText`` otherwise. Every URI that goes into a SIP message passes here."""
     return strict_text(value, what, MAX_URI, SIP_URI)
+
+
+def new_sip_call_id() -> str:
+    """A Call-ID of characters no URI header needs escaped. An attended transfer names this call in
+    the Refer-To's ``Replaces`` header, which Janus writes with ``;`` and ``=`` escaped but the
+    Call-ID as it is, so an ``@host`` part (optional in RFC 3261's ``callid``) would stand there
+    unescaped where RFC 3891 requires ``%40``. Random, so globally unique without a host."""
+    return f"lychee-{secrets.token_hex(16)}"
 
 
 def valid_target(uri: object) -> bool:
@@ -80,7 +90,7 @@ class OutboundCall:
     # The secret its requester is given (in the 201 only): it opens the call's resources, and the
     # answered session's, like a session token.
     token: str = field(default_factory=new_session_token)
-    sip_call_id: str = field(default_factory=lambda: f"{secrets.token_hex(12)}@lychee")
+    sip_call_id: str = field(default_factory=new_sip_call_id)
     status: str = "dialing"
     sip_status: int | None = None
     reason: str | None = None
@@ -97,6 +107,7 @@ class OutboundCall:
     line_free: asyncio.Event = field(default_factory=asyncio.Event)  # Janus closed the SIP side
     sent: asyncio.Future | None = None  # Janus took the call request ("calling") or refused it
     on_end: list[Callable[[str], None]] = field(default_factory=list)
+    hung_up_by: str | None = None  # once completed: "far_end" (their BYE) or "server" (ours)
     _announced: set = field(default_factory=set)
 
     def far_end(self, kind: str, *details: Any) -> None:
@@ -111,11 +122,13 @@ class OutboundCall:
         return self.status in FINAL
 
     def set_status(self, status: str, sip_status: int | None = None, reason: str | None = None) -> None:
+        """``sip_status``: the SIP status behind the new status. An attempt that ends unanswered ends
+        with its final status or none (a 180 is no outcome); a reason says why when there is none."""
         if self.final or (status, sip_status) in self._announced:
             return
         self._announced.add((status, sip_status))
         self.status = status
-        if sip_status is not None:
+        if sip_status is not None or (status in FINAL and status != "completed"):
             self.sip_status = sip_status
         if reason is not None:
             self.reason = reason
@@ -132,7 +145,23 @@ class OutboundCall:
                 fields["sip_status"] = self.sip_status
             if self.reason is not None:
                 fields["reason"] = self.reason
+            if status == "completed":
+                fields.update(duration_s=self.duration_s, hung_up_by=self.hung_up_by)
             self.session.emit("call.status", **fields)
+
+    def end(self, reason: str) -> None:
+        """The answered call is ending (its session closing for ``reason``), its last events not sent yet."""
+        if self.final:
+            return
+        self.hung_up_by = "far_end" if reason in FAR_END_REASONS else "server"
+        self.set_status("completed", reason=reason)
+
+    @property
+    def duration_s(self) -> float | None:
+        """From the answer to the end (or to now), once answered."""
+        if self.answered_at is None:
+            return None
+        return round((self.ended_at or time.time()) - self.answered_at, 3)
 
     def close_listeners(self) -> None:
         """Tell whoever watches the attempt (its event streams) that it is over, its last events sent."""
@@ -147,6 +176,7 @@ class OutboundCall:
             "sip_call_id": self.sip_call_id,
             "session_id": self.session.id if self.session is not None and self.answered_at is not None else None,
             "created_at": self.created_at, "ringing_at": self.ringing_at, "answered_at": self.answered_at,
-            "ended_at": self.ended_at,
+            "ended_at": self.ended_at, "duration_s": self.duration_s if self.status == "completed" else None,
+            "hung_up_by": self.hung_up_by,
         }
         return body

@@ -20,6 +20,9 @@ from lychee_rtc.rtc.sdp import SdpError
 log = logging.getLogger(__name__)
 
 KEEP_ENDED = 256  # finished attempts kept for GET, oldest forgotten first
+# Why an attempt we ended ourselves has no final SIP status of its own to report.
+GAVE_UP = {"no_answer": "no final answer within {:g} s: cancelled",
+           "cancelled": "cancelled (DELETE) before it was answered"}
 HANGUP_WAIT_S = 5.0  # how long a CANCEL may take before the line is given back anyway
 
 
@@ -163,6 +166,8 @@ class Dialer:
             attempt.set_status("failed", reason=str(result[2]))
             return None
         code, reason = int(result[1] or 0), str(result[2] or "")
+        if not code and attempt.give_up is not None:  # our CANCEL: Janus reports no final status for it
+            reason = GAVE_UP[attempt.give_up].format(attempt.ring_timeout_s)
         attempt.set_status(status_for_sip_code(code, attempt.give_up), code or None, reason or None)
         return None
 
@@ -182,6 +187,7 @@ class Dialer:
         gw.allow_transfer(call.session)
         gw.counters.dial_answered += 1
         attempt.set_status("answered", 200)
+        call.session.on_closing.append(attempt.end)  # "completed" goes out before session.closed
         call.on_closed.append(lambda reason: self._ended(line, attempt, reason))
         call.on_closed.append(lambda reason, line=line, sid=session_id: gw._session_ended(line, sid, reason))
         log.info("SIP gateway: call %s to %s answered; session %s", attempt.id, attempt.to, session_id)
@@ -189,8 +195,7 @@ class Dialer:
             await gw.registry.close(session_id, "caller_hangup")
 
     def _ended(self, line: Line, attempt: OutboundCall, reason: str) -> None:
-        attempt.reason = reason
-        attempt.set_status("completed")
+        attempt.end(reason)  # already done as the session closed; this covers any other way
         attempt.close_listeners()
         if line.outbound is attempt:
             line.outbound = None

@@ -21,6 +21,15 @@ More than that standing for half a second is dropped, so the reference never run
 it had not played, and the queue goes too.
 AEC3 finds the remaining delay (network, jitter buffers, the room) itself: measured with a 400 ms
 echo path (docs/benchmarks.md); its delay search reaches about half a second (docs/echo.md).
+
+Only where there is echo: AEC3 starts a call assuming the echo may be as loud as what the agent
+plays, and takes the caller's voice down by up to 40 dB whenever the agent speaks, until it has
+found an echo path or, seconds later, concluded there is none. A barge-in is the caller speaking
+over the agent, so on a line without echo (most phone calls: handsets and mobiles cancel their own)
+it came seconds late or never. The canceller therefore always runs, fed as above, but the engine
+hears its output only while ``media/echo_presence.py`` finds the agent's voice coming back; until
+then it hears the same stages without the canceller, delayed to match the canceller's own 8 ms so
+that switching over does not move the uplink.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from lychee_rtc.config import AudioProcessing
+from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.session.processing import ProcessingUnavailable
 
@@ -47,6 +57,21 @@ REFERENCE_JITTER_S = 0.04
 # A reference queue standing above its allowance this long is trimmed back to it (the two
 # directions started apart, the uplink caught up after a stall): the reference must not run late.
 LEAD_WINDOW_FRAMES = 50
+# What AEC3 holds back (its 4 ms blocks against 10 ms frames), measured: 128 samples at 16 kHz. The
+# path without it is delayed as much, so the uplink keeps its timing when the engine is switched
+# from one to the other.
+CANCELLER_LAG_MS = 8
+# The agent's first sound on a call: from it, the echo's longest delay (0.5 s) and the time its
+# search takes (0.1-0.2 s) pass before the engine may hear the line without the canceller.
+REFERENCE_AUDIBLE = 1e-3
+SETTLE_FRAMES = 70
+DOUBLE_TALK_GAIN = 10 ** (-10 / 10)  # within 10 dB of its input through AEC3 ...
+DOUBLE_TALK_FRAMES = 3  # ... three frames running: the caller talks
+DOUBLE_TALK_FLOOR = 1e-6  # an input below -60 dBFS is no one talking
+DOUBLE_TALK_OVER_NOISE = 30.0  # ... nor one less than 15 dB over the line's noise
+DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last second
+NOISE_WINDOW_FRAMES = 200
+DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the caller was last found
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -56,6 +81,11 @@ def _load_module() -> Any:
     except ImportError as exc:
         raise ProcessingUnavailable(f"audio processing needs the livekit package: {INSTALL_HINT}") from exc
     return AudioFrame, AudioProcessingModule
+
+
+def require_library() -> None:
+    """Raises ProcessingUnavailable where the library is not installed."""
+    _load_module()
 
 
 def _to_int16(x: np.ndarray) -> bytearray:
@@ -69,6 +99,8 @@ class ProcessingCounters:
     reference_underruns: int = 0  # ... of which silence, because nothing had left
     reference_trimmed_s: float = 0.0  # far end dropped: standing too far ahead of the uplink
     reference_cut_s: float = 0.0  # far end taken back at interruptions (never reached the caller)
+    cancelled_frames: int = 0  # ... of the frames, those the engine heard through the echo canceller
+    double_talk_frames: int = 0  # frames where the caller was found talking over the echo
 
 
 class AudioProcessingStage:
@@ -89,6 +121,15 @@ class AudioProcessingStage:
         self._referenced = False  # the first far end has come
         self._apm: Any = None
         self._frame_cls: Any = None
+        # With the echo canceller: the other stages without it, and whether the line has echo.
+        self._plain: Any = None
+        self._plain_delay = np.zeros(0, np.float32)
+        self._presence: EchoPresence | None = None
+        self._cancelling = False  # the engine hears the canceller's output
+        self._first_sound: int | None = None  # the frame in which the agent was first heard
+        self._leaking = 0  # frames running that came through the canceller nearly whole
+        self._talk_left = 0  # frames the caller is still taken to talk over the echo
+        self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
         self._reference = np.zeros(0, np.float32)  # far end not yet given to the canceller
         self._depths: deque[int] = deque(maxlen=LEAD_WINDOW_FRAMES)  # queue depth at recent frames
@@ -99,6 +140,8 @@ class AudioProcessingStage:
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {**self.settings.model_dump(), "sample_rate": self.rate}
+        if self._presence is not None:
+            out["echo_detected"] = self._presence.echo
         if self.unavailable:
             out["unavailable"] = self.unavailable
         return out
@@ -107,13 +150,18 @@ class AudioProcessingStage:
         held = self._flush_held()
         if settings == self.settings and (self._apm is not None) == settings.active:
             return held
+        self._plain, self._presence, self._cancelling = None, None, False
+        self._first_sound, self._leaking, self._talk_left = None, 0, 0
+        self._levels.clear()
         if settings.active:
             frame_cls, module = _load_module()
-            self._apm = module(echo_cancellation=settings.echo_cancellation,
-                               noise_suppression=settings.noise_suppression,
-                               high_pass_filter=settings.high_pass_filter,
-                               auto_gain_control=settings.auto_gain_control)
+            self._apm = _module(module, settings)
             self._frame_cls = frame_cls
+            if settings.echo_cancellation:
+                plain = settings.model_copy(update={"echo_cancellation": False})
+                self._plain = _module(module, plain) if plain.active else None
+                self._plain_delay = np.zeros(self.rate * CANCELLER_LAG_MS // 1000, np.float32)
+                self._presence = EchoPresence(self.rate)
         else:
             self._apm = None  # the native state goes with its handle
         self.settings = settings
@@ -139,7 +187,7 @@ class AudioProcessingStage:
         return held, self._process_frames(np.pad(np.asarray(fill, np.float32), (0, -n % self.frame)))[:n]
 
     def close(self) -> None:
-        self._apm = None
+        self._apm = self._plain = self._presence = None
         self._reference = np.zeros(0, np.float32)
         if self._resampler is not None:
             self._resampler.close()
@@ -190,8 +238,8 @@ class AudioProcessingStage:
             out[i:i + self.frame] = self._process_frame(data[i:i + self.frame])
         return out
 
-    def _feed_reference(self) -> None:
-        """One 10 ms frame of the far end for each 10 ms of uplink; silence if nothing left."""
+    def _feed_reference(self) -> np.ndarray:
+        """One 10 ms frame of the far end for each 10 ms of uplink (returned); silence if nothing left."""
         self._depths.append(len(self._reference))
         allowed = int((self.reference_lead_s + REFERENCE_JITTER_S) * self.rate) + self.frame
         if len(self._depths) == self._depths.maxlen and min(self._depths) > allowed:
@@ -207,14 +255,69 @@ class AudioProcessingStage:
             chunk = np.pad(chunk, (0, self.frame - len(chunk)))
         self._apm.process_reverse_stream(self._frame_cls(_to_int16(chunk), self.rate, 1, self.frame))
         self.counters.reference_frames += 1
+        return chunk
+
+    def _run(self, module: Any, samples: np.ndarray) -> np.ndarray:
+        frame = self._frame_cls(_to_int16(samples), self.rate, 1, self.frame)
+        module.process_stream(frame)
+        return np.frombuffer(frame.data, dtype=np.int16).astype(np.float32) / 32768.0
 
     def _process_frame(self, samples: np.ndarray) -> np.ndarray:
-        if self.settings.echo_cancellation:
-            self._feed_reference()
-            # AEC3 estimates the echo path's delay itself; what the server knows of it (the
-            # transport's lead) is already in where the reference stands.
-            self._apm.set_stream_delay_ms(0)
-        frame = self._frame_cls(_to_int16(samples), self.rate, 1, self.frame)
-        self._apm.process_stream(frame)
         self.counters.frames += 1
-        return np.frombuffer(frame.data, dtype=np.int16).astype(np.float32) / 32768.0
+        if not self.settings.echo_cancellation:
+            return self._run(self._apm, samples)
+        reference = self._feed_reference()
+        # AEC3 estimates the echo path's delay itself; what the server knows of it (the transport's
+        # lead) is already in where the reference stands.
+        self._apm.set_stream_delay_ms(0)
+        cancelled = self._run(self._apm, samples)
+        plain = self._run(self._plain, samples) if self._plain is not None else np.asarray(samples, np.float32)
+        delayed = np.concatenate([self._plain_delay, plain])
+        plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
+        assert self._presence is not None
+        found = self._presence.update(reference, samples)
+        if self._first_sound is None and float(np.max(np.abs(reference))) > REFERENCE_AUDIBLE:
+            self._first_sound = self.counters.frames
+        # Until the echo could have been found (its longest delay and the search's own time after the
+        # agent's first sound), the line is not known: the canceller's output, so that an echo the
+        # search has not found yet does not reach the engine whole. Then only where it was found.
+        settling = self._first_sound is not None and self.counters.frames - self._first_sound < SETTLE_FRAMES
+        echo = (found or settling) and not self._caller_over_echo(plain, cancelled)
+        was, self._cancelling = self._cancelling, echo
+        if echo:
+            self.counters.cancelled_frames += 1
+        if was == echo:
+            return cancelled if echo else plain
+        ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
+        return (cancelled * ramp + plain * (1 - ramp)) if echo else (plain * ramp + cancelled * (1 - ramp))
+
+    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray) -> bool:
+        """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
+        comes through it within 10 dB of its input, three frames running, is the caller.
+        The engine then hears the line as it is (echo and all, as without processing) rather than
+        AEC3's suppressor, which takes the caller down 10-25 dB for the first 60-200 ms of speech
+        over an echo as loud (and the VAD hears the barge-in that much late), until
+        ``DOUBLE_TALK_HOLD_FRAMES`` after it stops."""
+        level_in = float(np.mean(np.square(plain)))
+        self._levels.append(level_in)
+        # Only speech at full voice: well above the line's noise, which AEC3 leaves as it is (the
+        # least level of the last two seconds), and near the loudest of the last second, not the
+        # quiet ends of the echo's words, which AEC3 takes down less.
+        recent = list(self._levels)[-NOISE_WINDOW_FRAMES // 2:]
+        loud = level_in > max(DOUBLE_TALK_FLOOR, DOUBLE_TALK_OVER_NOISE * min(self._levels),
+                              DOUBLE_TALK_UNDER_PEAK * max(recent))
+        through = loud and float(np.mean(np.square(cancelled))) > DOUBLE_TALK_GAIN * level_in
+        self._leaking = self._leaking + 1 if through else 0
+        if self._leaking >= DOUBLE_TALK_FRAMES:
+            self._talk_left = DOUBLE_TALK_HOLD_FRAMES
+            self.counters.double_talk_frames += 1
+        elif self._talk_left:
+            self._talk_left -= 1
+        return self._talk_left > 0
+
+
+def _module(module: Any, settings: AudioProcessing) -> Any:
+    return module(echo_cancellation=settings.echo_cancellation,
+                  noise_suppression=settings.noise_suppression,
+                  high_pass_filter=settings.high_pass_filter,
+                  auto_gain_control=settings.auto_gain_control)

@@ -62,6 +62,9 @@ class EpochSink:
     # sends all the time, silence included (the WebRTC track): the stage's reference queue follows.
     reference_lead_s = 0.0
     reference_continuous = False
+    # The codec's own delay, each way (Opus 6.5 ms; G.711 none): the caller hears a frame's audio
+    # that much after it leaves, and said what arrives that much before it was encoded.
+    codec_delay_s = 0.0
 
     def attach_reference(self, stage: AudioProcessingStage | None) -> None:
         """Feed ``stage`` what leaves for the caller from now on."""

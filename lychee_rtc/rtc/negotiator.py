@@ -173,7 +173,7 @@ class RtcNegotiator:
             offered = ", ".join(self.settings.rtc.codecs)
             raise SdpError(f"no common audio codec: this server accepts {offered}", unprocessable=True)
         call.codec = codec[0]
-        track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
+        track.use_codec(codec[0], codec[1])
         call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
         ptime = self.settings.rtc.receive_ptime_ms
         call.answer_sdp = with_ptime(pc.localDescription.sdp, ptime) if ptime else pc.localDescription.sdp
@@ -191,7 +191,8 @@ class RtcNegotiator:
         """
         quiet_connects_of_closed_peers(asyncio.get_running_loop())
         track = self._new_track()
-        session = self.registry.new_session(slot, track, options, False, origin)
+        # A phone call like those the gateway answers: the phone legs' processing (audio_processing.sip).
+        session = self.registry.new_session(slot, track, options, False, origin, ingress="sip")
         call = RtcCall(session=session, pc=RTCPeerConnection(self.rtc_configuration()), track=track, codec="",
                        token=token)
         track.listener = session
@@ -222,7 +223,7 @@ class RtcNegotiator:
         if codec is None or codec[0].lower() == TELEPHONE_EVENT.split("/")[1]:
             raise SdpError("the answer holds no audio codec we offered", unprocessable=True)
         call.codec = codec[0]
-        call.track.set_output_rate(48000 if codec[0].lower() == "opus" else codec[1])
+        call.track.use_codec(codec[0], codec[1])
         call.etag = f'"{ice_ufrag(pc.localDescription.sdp) or call.session.id}"'
         call.negotiated_at = time.monotonic()
         self._calls[call.session.id] = call

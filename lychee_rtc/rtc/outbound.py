@@ -34,6 +34,9 @@ MAX_CATCH_UP_S = 0.2
 # waits this much past its time for audio that is about to arrive before sending silence.
 LIVE_LEAD_S = 0.015
 LIVE_GRACE_S = 0.004
+# Opus's algorithmic delay (libopus's lookahead, 312 samples at 48 kHz: measured through aiortc's
+# encoder and decoder): what comes out of a decoder is this much older than what went into the encoder.
+OPUS_DELAY_S = 312 / 48000
 
 
 @dataclass
@@ -87,10 +90,12 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
     def out_rate(self) -> int:
         return self.playout.out_rate
 
-    def set_output_rate(self, rate: int) -> None:
-        """Match the negotiated codec's clock; only before the first frame is sent."""
+    def use_codec(self, name: str, rate: int) -> None:
+        """The negotiated codec: its clock (only before the first frame is sent) and its delay."""
+        opus = name.lower() == "opus"
         if self._t0 is None:
-            self.playout.set_output_rate(rate)
+            self.playout.set_output_rate(48000 if opus else rate)
+        self.codec_delay_s = OPUS_DELAY_S if opus else 0.0  # G.711 codes each sample alone
 
     @property
     def frame_samples(self) -> int:
@@ -169,9 +174,10 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         pcm, marks, offset = self.playout.read(self.frame_samples)
         self.played(pcm)  # silence too: the caller's loudspeaker played it (the echo reference)
         if self.sent_tap is not None:
-            # RTP has no playout receipts: a frame is heard as it leaves, in its slot of the send
-            # schedule (the clock its RTP timestamps keep, also when a stalled frame goes out late).
-            self.sent_tap.agent_sent(pcm, self.out_rate, self._due())
+            # RTP has no playout receipts: a frame is heard as it leaves, now. That is before its slot
+            # when a passthrough engine's frame goes early (live mode) and after it when the loop is
+            # late; the recording keeps each channel continuous and on its least-delayed frames.
+            self.sent_tap.agent_sent(pcm, self.out_rate, self._clock())
         self._frame_index += 1
         self.counters.frames += 1
         if not marks and self.playout.playing is None:

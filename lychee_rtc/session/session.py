@@ -93,6 +93,9 @@ class DuplexSession(SessionInfo, OptionChanges, EngineEvents):
         self.closed = False
         self.close_reason: str | None = None
         self.on_close: Callable[[str], Any] | None = None
+        # Called with the reason as the session begins to close, before its last events
+        # (``session.closed``): whoever owns the call may still say how it ended.
+        self.on_closing: list[Callable[[str], None]] = []
         self._close_task: asyncio.Task | None = None
         # Every event, once: the native channel writes it as it is, translators listen to it.
         self.events = EventStream(session_id, settings.event_buffer, settings.resume_journal_events)
@@ -131,6 +134,9 @@ class DuplexSession(SessionInfo, OptionChanges, EngineEvents):
         await asyncio.shield(self._close_task)
 
     def _begin_close(self, reason: str) -> None:
+        hooks, self.on_closing = self.on_closing, []
+        for hook in hooks:
+            hook(reason)
         self.closed = True
         self.close_reason = reason
         self.state = "closed"

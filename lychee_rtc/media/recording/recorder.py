@@ -36,6 +36,10 @@ class CallRecorder:
         self.paused = False
         self.closed = False
         self.started_at_wall = time.time() if started_at_wall is None else started_at_wall
+        # The call's codec delay, each way (the transport's ``codec_delay_s``): the caller said what
+        # arrives that much before it was encoded, and hears what leaves that much after. Both
+        # channels keep the caller's own time by it (docs/recording.md, "One clock").
+        self.codec_delay_s = 0.0
         self._warned_full = False
 
     @property
@@ -56,14 +60,14 @@ class CallRecorder:
         """Concealed caller audio as it enters the session: it ended now."""
         if self.paused or self.closed or not len(samples):
             return
-        at = self.clock() - len(samples) / rate
+        at = self.clock() - len(samples) / rate - self.codec_delay_s
         self._submit(("audio", CALLER, at, np.array(samples, dtype=np.float32), rate))
 
     def agent_sent(self, pcm: np.ndarray, rate: int, at: float) -> None:
         """A frame left for the caller; ``at``: when its first sample is heard (monotonic)."""
         if self.paused or self.closed:
             return
-        self._submit(("audio", AGENT, at, np.array(pcm, dtype=np.float32), rate))
+        self._submit(("audio", AGENT, at + self.codec_delay_s, np.array(pcm, dtype=np.float32), rate))
 
     def agent_cut(self, at: float) -> None:
         """Audio sent but not yet heard was taken back (a carrier's flush): it never played."""

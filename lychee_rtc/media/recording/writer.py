@@ -3,9 +3,10 @@
 Everything slow happens here, off the event loop: resampling, placement, encoding, file writes. The
 loop only puts small items on a bounded queue (``recorder.CallRecorder``). Audio is written out
 ``LATENCY_S`` behind real time, which is how long a chunk may arrive after its place on the clock
-(the caller's jitter, the carrier's lead) and still be recorded; the Ogg muxer closes a page every
-``PAGE_S`` and each page is handed to the kernel at once, so a process killed at any moment leaves
-a file that plays up to ``LATENCY_S + PAGE_S`` plus one encoded block (about 1 s) before the kill.
+and still be recorded; it is encoded in ``BLOCK_FRAMES`` blocks, the Ogg muxer closes a page every
+``PAGE_S`` and each page is handed to the kernel at once. So a process killed at any moment leaves
+a file that plays up to ``LATENCY_S`` + a block + a page + the thread's wake-up (0.44 s at most)
+before the kill (docs/benchmarks.md has what was measured after SIGKILL).
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ log = logging.getLogger(__name__)
 
 # A WebRTC frame sent up to 0.2 s late (rtc.outbound's catch-up bound) and a caller chunk placed by
 # its least-delayed arrival (up to timeline.TOLERANCE_S before its own) still find their place.
-LATENCY_S = 0.4
-PAGE_S = 0.25
+LATENCY_S = 0.25
+# An Ogg page (27 bytes and a lacing byte a packet) every 50 ms: 4.6 kbit/s on the 32 of the audio.
+PAGE_S = 0.05
+WAKE_S = 0.05  # the writer looks at the clock at least this often, items or not
 # Items taken off the queue before writing out: the backlog first, so none of it arrives late.
 DRAIN_ITEMS = 500
 FRAME = RATE // 50  # Opus's 20 ms: written out in whole frames
-# Encoded in blocks of this many frames (200 ms): each block shifts the placement buffer once.
-BLOCK_FRAMES = 10
+# Encoded in blocks of this many frames (40 ms): each block shifts the placement buffer once.
+BLOCK_FRAMES = 2
 BUFFER_S = 4.0  # how far ahead of what is written a chunk may be placed
 
 
@@ -103,7 +106,7 @@ class RecordingWriter(threading.Thread):
             self._open()
             while True:
                 try:
-                    self._handle(self.queue.get(timeout=0.2))
+                    self._handle(self.queue.get(timeout=WAKE_S))
                     for _ in range(DRAIN_ITEMS):
                         self._handle(self.queue.get_nowait())
                 except queue.Empty:

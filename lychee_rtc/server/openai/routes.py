@@ -314,6 +314,14 @@ async def create_client_secret(request: web.Request) -> web.Response:
         request_cfg = read_session_config(session, surface.profile)
     except ProtocolError as exc:
         return error(400, exc.code, exc.message, param="session")
+    # What every call with the key would be refused for is refused now, where the key is asked for.
+    if request_cfg.changes.get("recording") and not surface.settings.recording.client_control:
+        return error(400, "recording_not_allowed", "this server decides what is recorded: recording.client_control "
+                     "is off", param="session.lychee_rtc.recording")
+    try:
+        surface.registry.check_processing(requested_processing(request_cfg) or {})
+    except ProcessingUnavailable as exc:
+        return error(400, "audio_processing_unavailable", str(exc), param="session.audio.input.noise_reduction")
     try:
         secret = surface.secrets.mint(session, ttl)
     except SessionTooLarge as exc:

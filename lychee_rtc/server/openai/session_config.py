@@ -24,6 +24,7 @@ FORMAT_PATHS = (("audio", "input", "format"), ("audio", "output", "format"))
 # Fields read into options rather than compared (``expires_after`` belongs to a client secret request).
 HANDLED = {("type",), ("instructions",), ("audio", "output", "voice"), ("audio", "input", "noise_reduction"),
            ("expires_after",), ("lychee_rtc", "recording")}
+EXTENSION = ("lychee_rtc",)  # this server's own block: its fields are read, any other is ignored
 # GA ``audio.input.noise_reduction`` as the uplink's processing stages (``audio_processing``): a
 # near-field microphone (headset, handset) has noise but no loudspeaker beside it; a far-field one
 # (laptop, speakerphone, room) hears the agent too. Gain control is left as it is.
@@ -63,14 +64,13 @@ def _turn_detection(settings: Settings, caps: EngineCapabilities) -> dict[str, A
 
 
 def noise_reduction_of(processing: dict[str, Any] | None) -> dict[str, str] | None:
-    """The GA ``noise_reduction`` that describes the uplink's processing (``audio_processing``)."""
-    if not processing:
+    """The GA ``noise_reduction`` that describes the uplink's processing (``audio_processing``): what
+    is applied, not what would be asked for. Noise reduction is the noise suppressor: without it
+    there is none (null), whatever else runs (a phone leg's echo canceller and high-pass filter);
+    with it and the echo canceller, ``far_field``; with it alone, ``near_field``."""
+    if not processing or not processing.get("noise_suppression"):
         return None
-    if processing.get("echo_cancellation"):
-        return {"type": "far_field"}
-    if processing.get("noise_suppression"):
-        return {"type": "near_field"}
-    return None
+    return {"type": "far_field" if processing.get("echo_cancellation") else "near_field"}
 
 
 def ga_format(fmt: SocketAudioFormat) -> dict[str, Any]:
@@ -192,6 +192,9 @@ def _differences(requested: dict[str, Any], actual: Any, path: tuple[str, ...],
     for key, value in requested.items():
         here = path + (key,)
         if here in HANDLED or here in handled:
+            continue
+        if here == EXTENSION and isinstance(value, dict):  # this server's own block: read, not compared
+            out += _differences(value, {}, here)
             continue
         have = actual.get(key, _MISSING) if isinstance(actual, dict) else _MISSING
         if isinstance(value, dict) and isinstance(have, dict):
