@@ -31,6 +31,7 @@ LATENCY_S = 0.4
 PAGE_S = 0.25
 # Items taken off the queue before writing out: the backlog first, so none of it arrives late.
 DRAIN_ITEMS = 500
+POLL_S = 0.05  # how often the thread takes what the loop queued (well within LATENCY_S)
 FRAME = RATE // 50  # Opus's 20 ms: written out in whole frames
 # Encoded in blocks of this many frames (200 ms): each block shifts the placement buffer once.
 BLOCK_FRAMES = 10
@@ -102,8 +103,11 @@ class RecordingWriter(threading.Thread):
         try:
             self._open()
             while True:
+                # Sleep, then take what came: a writer blocked in get() is woken by every item the
+                # loop puts (100 a second per call), each wake-up a thread switch and a GIL hand-off
+                # that cost the event loop more than the tap itself.
+                time.sleep(POLL_S)
                 try:
-                    self._handle(self.queue.get(timeout=0.2))
                     for _ in range(DRAIN_ITEMS):
                         self._handle(self.queue.get_nowait())
                 except queue.Empty:
