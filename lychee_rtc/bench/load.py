@@ -33,14 +33,14 @@ import sys
 import tempfile
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator
 
 import aiohttp
 
 from lychee_rtc.bench import stages as stage_profile
-from lychee_rtc.bench.cpu import CodecFloor, CpuSpan, codec_floor
-from lychee_rtc.bench.load_report import format_report, format_step
+from lychee_rtc.bench.cpu import CpuSpan, codec_floor
+from lychee_rtc.bench.load_report import LoadReport, LoadStep, Topology, format_report, format_step
 from lychee_rtc.bench.probes import percentile
 from lychee_rtc.bench.server_process import spawned_cluster, spawned_server
 
@@ -57,50 +57,6 @@ PROFILES: dict[str, tuple[str, dict[str, str], str]] = {
     "echo-aec-recording": ("echo", {"LYCHEE_RTC_AUDIO_PROCESSING__WEBRTC__ECHO_CANCELLATION": "true",
                                     "LYCHEE_RTC_RECORDING__ENABLED": "true"}, "speech"),
 }
-
-
-@dataclass
-class LoadStep:
-    target: str  # "lychee-rtc" with its process count, or "aiortc relay"
-    sessions: int
-    connected: int
-    probes: int
-    found: int
-    p50_ms: float | None
-    p90_ms: float | None
-    p99_ms: float | None
-    server_cpu_percent: float | None
-    server_cpu_per_call: float | None
-    client_cpu_percent: float
-    client_cpu_per_call: float | None
-    client_processes: int
-    counters: dict[str, int]
-    lost_packets: int
-    skipped_ms: float
-    within_budget: bool | None  # None: nothing to judge it by (no probes)
-    span_s: float
-    failures: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Topology:
-    workers: int
-    steps: list[LoadStep]
-    largest_within_budget: int | None
-    stages: dict[str, float] | None = None  # stage -> % of a core per call
-    stages_at: int | None = None
-    stage_samples: int | None = None
-
-
-@dataclass
-class LoadReport:
-    profile: str
-    command: str
-    conditions: dict[str, Any]
-    floor: CodecFloor | None
-    topologies: list[Topology]
-    relay: list[LoadStep]
-    budget_ms: float
 
 
 @dataclass
@@ -224,17 +180,21 @@ async def measure(target: Target, workers: int, steps: list[int], plan: StepPlan
                   stop_over_budget: bool = True) -> Topology:
     topology = Topology(workers, [], None)
     for n in steps:
-        step, profile = await run_step(target, n, plan, profile_stages=n == stages_at)
+        step, _ = await run_step(target, n, plan)
         topology.steps.append(step)
-        if profile is not None and step.server_cpu_per_call is not None:
-            topology.stages = {k: round(v, 3) for k, v in profile.per_call(step.server_cpu_per_call).items()}
-            topology.stages_at, topology.stage_samples = n, profile.samples
         print(format_step(step), flush=True)
         if step.within_budget is False and stop_over_budget:
             break
         await asyncio.sleep(1.0)  # let the server release the slots
     good = [s.sessions for s in topology.steps if s.within_budget]
     topology.largest_within_budget = max(good) if good else None
+    if stages_at:
+        # A step of its own: the sampler takes some CPU, which the steps above are measured without.
+        step, profile = await run_step(target, stages_at, plan, profile_stages=True)
+        print("stage profile " + format_step(step), flush=True)
+        if profile is not None and step.server_cpu_per_call is not None:
+            topology.stages = {k: round(v, 3) for k, v in profile.per_call(step.server_cpu_per_call).items()}
+            topology.stages_at, topology.stage_samples = stages_at, profile.samples
     return topology
 
 
@@ -290,11 +250,12 @@ async def run_bench(args: argparse.Namespace) -> LoadReport:
         topologies: list[Topology] = []
         if args.url:
             target = Target(args.url, [args.server_pid] if args.server_pid else [], args.server_pid, "given server")
-            topologies.append(await measure(target, 1, steps, plan, args.stages))
+            topologies.append(await measure(target, 1, steps, plan, args.stages, stop_over_budget=not args.all_steps))
         else:
             for workers in _worker_counts(args.workers):
-                async with _server(config, env, workers, max(steps)) as target:
-                    topologies.append(await measure(target, workers, steps, plan, args.stages if workers == 1 else None))
+                async with _server(config, env, workers, max(steps + [args.stages or 0])) as target:
+                    topologies.append(await measure(target, workers, steps, plan, args.stages if workers == 1 else None,
+                                                    stop_over_budget=not args.all_steps))
         relay: list[LoadStep] = []
         if args.relay_sessions:
             from lychee_rtc.bench.aiortc_relay import spawned_relay
@@ -340,7 +301,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="p90 mouth-to-ear budget at the client's network edge (default 100)")
     p.add_argument("--calls-per-client", type=int, default=12, help="calls per load client process")
     p.add_argument("--relay-sessions", default="4,8", help="steps of N for the aiortc relay ('' to skip)")
-    p.add_argument("--stages", type=int, help="profile the stages at this N (one server process; needs py-spy)")
+    p.add_argument("--all-steps", action="store_true", help="run every step, also after one over budget")
+    p.add_argument("--stages", type=int, help="after the steps, one more at this N with a profile of where the "
+                                              "CPU goes (one server process; needs py-spy: the [bench] extra)")
     p.add_argument("--wav", help="speech profiles: what the callers say (default: espeak-ng speech)")
     p.add_argument("--no-floor", action="store_true", help="skip the codec floor measurement")
     p.add_argument("--json", help="also write the report as JSON here")

@@ -1,18 +1,64 @@
-"""The tables of ``lychee-rtc bench load``: one line per step as it finishes, markdown at the end."""
+"""What ``lychee-rtc bench load`` reports: its values, one line per step as it finishes, markdown at the end."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from lychee_rtc.bench.load import LoadReport, LoadStep
+from lychee_rtc.bench.cpu import CodecFloor
+
+
+@dataclass
+class LoadStep:
+    target: str  # "lychee-rtc" with its process count, or "aiortc relay"
+    sessions: int
+    connected: int
+    probes: int
+    found: int
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+    server_cpu_percent: float | None
+    server_cpu_per_call: float | None
+    client_cpu_percent: float
+    client_cpu_per_call: float | None
+    client_processes: int
+    counters: dict[str, int]
+    lost_packets: int
+    skipped_ms: float
+    within_budget: bool | None  # None: nothing to judge it by (no probes)
+    span_s: float
+    failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Topology:
+    workers: int
+    steps: list[LoadStep]
+    largest_within_budget: int | None
+    stages: dict[str, float] | None = None  # stage -> % of a core per call
+    stages_at: int | None = None
+    stage_samples: int | None = None
+
+
+@dataclass
+class LoadReport:
+    profile: str
+    command: str
+    conditions: dict[str, Any]
+    floor: CodecFloor | None
+    topologies: list[Topology]
+    relay: list[LoadStep]
+    budget_ms: float
+
+
 
 
 def _f(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def format_step(s: "LoadStep") -> str:
+def format_step(s: LoadStep) -> str:
     verdict = {True: "ok", False: "OVER BUDGET", None: ""}[s.within_budget]
     c = s.counters
     return (f"{s.target}: N={s.sessions:<3} server {_f(s.server_cpu_percent)}% ({_f(s.server_cpu_per_call, 2)}%/call) "
@@ -24,7 +70,7 @@ def format_step(s: "LoadStep") -> str:
             + (f" failures: {s.failures[:2]}" if s.failures else ""))
 
 
-def _steps_table(steps: list["LoadStep"]) -> list[str]:
+def _steps_table(steps: list[LoadStep]) -> list[str]:
     lines = ["| N | server CPU (total / per call) | client CPU (total / per call) | probes heard | "
              "p50 / p90 / p99 (ms) | window underruns | overload drops | playout underrun samples | "
              "skipped send slots | uplink gaps | packets lost | within budget |",
@@ -40,7 +86,7 @@ def _steps_table(steps: list["LoadStep"]) -> list[str]:
     return lines
 
 
-def format_report(r: "LoadReport") -> str:
+def format_report(r: LoadReport) -> str:
     c = r.conditions
     out = [f"## bench load: profile {r.profile}", "",
            f"Machine: {c['cores']} cores ({c['machine']}), Python {c['python']}, aiortc {c['aiortc']}; "

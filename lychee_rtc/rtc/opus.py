@@ -78,6 +78,8 @@ def _check(lib: ctypes.CDLL, code: int, what: str) -> int:
 class OpusDecoder:
     """Opus packets in, mono float32 samples at ``rate`` out (whatever rate or channels were sent)."""
 
+    _state = None  # libopus's decoder, until closed
+
     def __init__(self, rate: int) -> None:
         if rate not in RATES:
             raise OpusError(f"libopus decodes at {RATES} Hz, not {rate}")
@@ -117,6 +119,8 @@ class OpusEncoder:
     ``application``: libopus's ``voip``, ``audio`` or ``lowdelay`` (the last has 2.5 ms of codec delay
     instead of 6.5). The frame length is whatever each call is given (2.5 to 60 ms).
     """
+
+    _state = None  # libopus's encoder, until closed
 
     def __init__(self, rate: int = 48000, application: str = "voip", bitrate: int | None = None) -> None:
         if rate not in RATES:
