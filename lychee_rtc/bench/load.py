@@ -29,6 +29,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -265,7 +266,7 @@ async def run_bench(args: argparse.Namespace) -> LoadReport:
                 target = Target(url, [pid], pid, "aiortc relay")
                 relay = (await measure(target, 1, relay_steps, plan, stop_over_budget=False)).steps
         conditions["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    command = "lychee-rtc " + " ".join(sys.argv[1:]) if "bench" in sys.argv[1:] else ""
+    command = "lychee-rtc " + shlex.join(sys.argv[1:]) if "bench" in sys.argv[1:] else ""
     return LoadReport(args.profile, command, conditions, floor, topologies, relay, args.budget_ms)
 
 
