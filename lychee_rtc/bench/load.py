@@ -284,7 +284,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("load", help="server CPU per call, client CPU, latency and the largest N within budget",
+    p = sub.add_parser("load", help="server CPU per call, client CPU, the aiortc relay, latency, the largest N within budget",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="loopback",
                    help="what the server runs and the clients say (default: loopback)")
