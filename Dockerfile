@@ -1,18 +1,16 @@
 # GPU serving image: lychee-rtc with the lychee engine (Lychee-FD in PyTorch, Token2Wav vocoder) on CUDA.
 #
+#   lychee-rtc download                # on the host, once: both folders into the Hugging Face cache
 #   docker build -t lychee-rtc .
-#   docker run --gpus all --network host \
-#       -v /path/to/Lychee-FD/lychee_full_duplex:/models/lychee_full_duplex:ro \
-#       -v /path/to/Step-Audio-2-mini/token2wav:/models/token2wav:ro \
-#       -v /path/to/voices:/models/voices:ro \
-#       lychee-rtc
+#   docker run --gpus all --network host -v ~/.cache/huggingface:/root/.cache/huggingface:ro lychee-rtc
 #
-# /models/voices must hold default_male.wav (any prompt WAV; the profile's engine.lychee.token2wav
-# lists the voices). To serve speech codes only, without the vocoder:
-#   -e LYCHEE_RTC_ENGINE__LYCHEE__TOKEN2WAV=null
+# The profile names the weights as hf:// references, found in the mounted cache without network
+# access (the weights are never baked in). Folders work too: `lychee-rtc download --dir /path/models`,
+# then -v /path/models:/models:ro -e LYCHEE_RTC_ENGINE__LYCHEE__MODEL_ROOT=/models/lychee_full_duplex
+# -e LYCHEE_RTC_ENGINE__LYCHEE__TOKEN2WAV__FOLDER=/models/token2wav. The voice is the built-in prompt
+# unless the profile (engine.lychee.token2wav.voices) names recordings mounted into the container.
+# To serve speech codes only, without the vocoder: -e LYCHEE_RTC_ENGINE__LYCHEE__TOKEN2WAV=null
 #
-# The model folder is the released checkpoint (config.json, model-0000i-of-0000N.safetensors +
-# model.safetensors.index.json, tokenizer files); it is mounted read-only, never baked in.
 # --network host: WebRTC media uses UDP ports chosen per session (ICE host candidates), which a
 # bridged container would not expose. Other profiles: append `serve --config lychee-c4` (a profile
 # shipped with the package, by name) or mount your own and pass its path.

@@ -68,13 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", help="profile YAML")
     check.set_defaults(func=_check_config)
 
-    # add_help=False: its options, "--help" included, belong to the model code's own parser.
-    tiny = sub.add_parser("tiny-checkpoint", add_help=False,
-                          help="write a tiny random Lychee-FD checkpoint (with a tiny token2wav/) for CPU runs",
-                          description="Write a tiny random checkpoint in the released layout: config.json, sharded "
-                                      "safetensors with index, tokenizer files, a token2wav/ folder and a default "
-                                      "voice, so the lychee engine runs end to end on a CPU.")
-    tiny.set_defaults(func=_tiny_checkpoint, passes_extra_args=True)
+    # add_help=False: their options, "--help" included, belong to the model code's own parsers, which
+    # are imported only when the command runs (they need the [model] extra).
+    for name, (_, summary, description) in MODEL_COMMANDS.items():
+        p = sub.add_parser(name, add_help=False, help=summary, description=description)
+        p.set_defaults(func=_model_command, passes_extra_args=True)
 
     from lychee_rtc.bench.cli import add_bench_parser
     from lychee_rtc.cluster.cli import add_cluster_parser
@@ -84,17 +82,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _tiny_checkpoint(args: argparse.Namespace) -> int:
+# name -> (module with add_arguments() and run(), one-line summary, description)
+MODEL_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "download": ("lychee_rtc.engine.lychee.download",
+                 "fetch Lychee-FD and Token2Wav from the Hugging Face Hub and check them",
+                 "Download the released Lychee-FD folder and Step-Audio-2-mini's token2wav/ folder into the "
+                 "Hugging Face cache (or --dir), resuming what an earlier run left, then check every file and "
+                 "tensor against the released inventory."),
+    "check": ("lychee_rtc.engine.lychee.check",
+              "check a model folder from its headers and plan its GPU memory per session count",
+              "Validate the Lychee-FD and Token2Wav folders a profile names (or --dir) from their headers, "
+              "without reading the weights; print the memory plan for 1, 2, 4 and 8 sessions against a GPU; "
+              "with --step, run one full-size window step on the CPU, one layer at a time."),
+    "tiny-checkpoint": ("lychee_rtc.engine.lychee.tiny",
+                        "write a tiny random Lychee-FD checkpoint (with a tiny token2wav/) for CPU runs",
+                        "Write a tiny random checkpoint in the released layout: config.json, sharded "
+                        "safetensors with index, tokenizer files, a token2wav/ folder and a default voice, so "
+                        "the lychee engine runs end to end on a CPU."),
+    "random-checkpoint": ("lychee_rtc.engine.lychee.random_checkpoint",
+                          "write a full-size Lychee-FD + Token2Wav checkpoint with random values (released layout)",
+                          "Write lychee_full_duplex/ and token2wav/ in the released layout and sizes with "
+                          "random values, shard by shard in bounded memory, deterministic from a seed: what "
+                          "a GPU measurement loads when the real weights are not at hand."),
+}
+
+
+def _model_command(args: argparse.Namespace) -> int:
     """Parsed by the model code's own parser, imported only now (it needs the [model] extra)."""
+    import importlib
+
+    module_name = MODEL_COMMANDS[args.command][0]
     try:
-        from lychee_rtc.engine.lychee.tiny import add_arguments, run
+        module = importlib.import_module(module_name)
     except ImportError as exc:
-        print(f"lychee-rtc: tiny-checkpoint needs the model extra (pip install 'lychee-rtc[model]', "
-              f"or 'make tiny'): {exc}", file=sys.stderr)
+        print(f"lychee-rtc: {args.command} needs the model extra (pip install 'lychee-rtc[model]', "
+              f"or 'make install-model'): {exc}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="lychee-rtc tiny-checkpoint")
-    add_arguments(parser)
-    return run(parser.parse_args(args.extra_args))
+    parser = argparse.ArgumentParser(prog=f"lychee-rtc {args.command}", description=MODEL_COMMANDS[args.command][2])
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(args.extra_args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

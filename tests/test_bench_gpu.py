@@ -84,17 +84,25 @@ def test_building_the_bench_parsers_imports_no_torch():
 def test_gpu_run_script_runs_every_step_at_tiny_size(tmp_path):
     """The one script meant for a fresh GPU machine, run here at tiny size on the CPU."""
     out = tmp_path / "results"
+    written = tmp_path / "checkpoint"
+    env = {"OUT": str(out), "PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+           "WRITE_DIR": str(written)}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--tiny"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={"OUT": str(out), "PYTHON": sys.executable,
-                                                       "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+                          text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
-    assert summary.split() == ["summary:", "environment=0", "tests_graphs=0", "bench_gpu=0", "bench_vocoder=0",
-                               "e2e=0"]
+    assert summary.split()[:8] == ["summary:", "environment=0", "write_checkpoint=0", "check=0", "tests_graphs=0",
+                                   "e2e=0", "bench_gpu=0", "bench_vocoder=0"]
+    # No checkpoint given: the script wrote one (tiny here, the released size on a GPU) and served it.
+    assert json.loads((out / "write_checkpoint.json").read_text())["tensors"] == 172
+    check = json.loads((out / "check.json").read_text())
+    assert check["model"]["path"] == str(written / "lychee_full_duplex")
+    assert [r["sessions"] for r in check["plan"]["rows"]] == [1, 2, 4, 8]
     rows = json.loads((out / "bench-gpu" / "bench_gpu.json").read_text())["rows"]
     assert {(r["sessions"], r["state"]) for r in rows} == {(1, "listen"), (1, "speak"), (2, "listen"), (2, "speak")}
     assert json.loads((out / "vocoder.json").read_text())
     e2e = json.loads((out / "e2e.json").read_text())
+    assert e2e["checkpoint"] == str(written)
     assert [(s["sessions"], s["answered"]) for s in e2e["steps"]] == [(1, 1), (2, 2)]
     for s in e2e["steps"]:
         assert s["engine_steps"] > 0 and 0 <= s["deadline_misses"] <= s["engine_steps"]

@@ -68,13 +68,13 @@ def test_profiles_are_valid(ckpt, name, sessions, tmp_path):
     assert data["session"]["max_sessions"] == sessions
     lychee = dict(data["engine"]["lychee"])
     assert lychee["device"].startswith("cuda") and lychee["dtype"] == "bf16"
-    # The profile names mount points; swap in tiny files and validate everything else as written.
+    # The profile names the released folders in the Hugging Face cache (tests/test_hub_download.py
+    # serves from there); swap in tiny folders and validate everything else, the voices included, as written.
+    assert lychee["model_root"] == "hf://HIT-TMG/Lychee-FD/lychee_full_duplex"
+    assert lychee["token2wav"]["folder"] == "hf://stepfun-ai/Step-Audio-2-mini/token2wav"
+    assert lychee["token2wav"]["voices"] == {"default": "builtin"}
     lychee["model_root"] = str(ckpt)
-    assert lychee["token2wav"]["folder"] == "/models/token2wav"
-    tiny_vocoder = write_tiny_vocoder(tmp_path, seed=0)
-    lychee["token2wav"] = {**lychee["token2wav"], "folder": tiny_vocoder["folder"],
-                           "voices": {name: next(iter(tiny_vocoder["voices"].values()))
-                                      for name in lychee["token2wav"]["voices"]}}
+    lychee["token2wav"] = {**lychee["token2wav"], "folder": write_tiny_vocoder(tmp_path, seed=0)["folder"]}
     LycheeEngineSettings.from_mapping(lychee)
     from lychee_rtc.config import load_settings
 

@@ -1,7 +1,8 @@
 """``lychee-rtc bench e2e``: the duplex path end to end through the server, N callers at once.
 
 The server is started from a profile (``--config``, e.g. configs/lychee-c4.yaml); with ``--tiny DIR``
-its model and vocoder are swapped for tiny random ones written to DIR, and ``--device`` moves both,
+its model and vocoder are swapped for tiny random ones written to DIR, with ``--checkpoint DIR`` for
+the folders in DIR (a ``--dir`` download or a ``random-checkpoint``), and ``--device`` moves both,
 so the same run checks the step on a CPU. For each N (``--sessions``, default 1,2,4) N aiortc callers
 connect at once; each speaks recorded utterances (16-bit WAVs from ``--speech``), one after the
 other, and after each one marks the end of its turn with ``input_audio_buffer.commit`` (random
@@ -21,6 +22,7 @@ running it learns that the figures are incomplete.
 
     lychee-rtc bench e2e --config configs/lychee-c4.yaml --json e2e.json            # GPU, mounted models
     lychee-rtc bench e2e --config configs/lychee-c4.yaml --tiny /tmp/e2e --device cpu  # a check on a CPU
+    lychee-rtc bench e2e --config configs/lychee-c4.yaml --checkpoint /tmp/lychee-full # a random full-size one
 """
 
 from __future__ import annotations
@@ -83,23 +85,43 @@ def load_utterances(folder: Path, limit: int | None = None) -> list[tuple[str, n
     return audio[:limit] if limit else audio
 
 
+def swapped_profile(config: Path, out: Path, model_root: str, vocoder: dict | None, device: str | None) -> Path:
+    """The profile with its model and vocoder folders swapped for ``model_root`` / ``vocoder``;
+    ``device`` cpu also moves both to the CPU (fp32, a short context, one thread)."""
+    profile = yaml.safe_load(config.read_text())
+    lychee = profile["engine"]["lychee"]
+    lychee["model_root"] = model_root
+    if lychee.get("token2wav") and vocoder is not None:
+        lychee["token2wav"] = {**lychee["token2wav"], **vocoder}
+    if device is not None:
+        lychee["device"] = device
+        if lychee.get("token2wav"):
+            lychee["token2wav"]["device"] = device
+    if device == "cpu":
+        lychee.update({"dtype": "fp32", "max_seq": 1024, "progress": False, "torch_threads": 1})
+    profile["server"]["host"] = "127.0.0.1"
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{config.stem}-swapped.yaml"
+    target.write_text(yaml.safe_dump(profile))
+    return target
+
+
 def tiny_profile(config: Path, root: Path, device: str) -> Path:
-    """The profile with its model and vocoder mount points swapped for tiny random ones under ``root``."""
+    """The profile with its model and vocoder swapped for tiny random ones written under ``root``."""
     from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
     from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
 
-    profile = yaml.safe_load(config.read_text())
-    lychee = profile["engine"]["lychee"]
     # decision_bias: the tiny model speaks only when the caller commits its turn.
     model = write_tiny_checkpoint(root / "lychee", seed=11, spec=TinySpec(decision_bias=4.0))
-    lychee.update({"model_root": str(model), "device": device, "dtype": "fp32", "max_seq": 1024,
-                   "progress": False, "torch_threads": 1 if device == "cpu" else None})
-    if lychee.get("token2wav"):
-        lychee["token2wav"] = write_tiny_vocoder(root, seed=3) | {"device": device}
-    profile["server"]["host"] = "127.0.0.1"
-    out = root / f"{config.stem}-tiny.yaml"
-    out.write_text(yaml.safe_dump(profile))
-    return out
+    vocoder = {k: v for k, v in write_tiny_vocoder(root, seed=3).items() if k in ("folder", "voices", "default_voice")}
+    return swapped_profile(config, root, str(model), vocoder, device)
+
+
+def checkpoint_profile(config: Path, checkpoint: Path, device: str | None) -> Path:
+    """The profile serving a downloaded (``lychee-rtc download --dir``) or random
+    (``lychee-rtc random-checkpoint``) folder: ``lychee_full_duplex/`` and ``token2wav/`` in it."""
+    return swapped_profile(config, checkpoint, str(checkpoint / "lychee_full_duplex"),
+                           {"folder": str(checkpoint / "token2wav")}, device)
 
 
 async def step_histogram(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -210,7 +232,9 @@ async def _main(args: argparse.Namespace) -> int:
     utterances = load_utterances(Path(args.speech))
     config = Path(args.config)
     if args.tiny:
-        config = tiny_profile(config, Path(args.tiny), args.device)
+        config = tiny_profile(config, Path(args.tiny), args.device or "cpu")
+    elif args.checkpoint:
+        config = checkpoint_profile(config, Path(args.checkpoint), args.device)
     env = {"LYCHEE_RTC_SESSION__MAX_SESSIONS": str(max(sizes))}
     steps: list[E2EStep] = []
     print(TABLE_HEAD, flush=True)
@@ -221,7 +245,8 @@ async def _main(args: argparse.Namespace) -> int:
             print(format_step(step, args.turns), flush=True)
             await asyncio.sleep(1.0)  # let the server release the slots
     if args.json:
-        report: dict[str, Any] = {"config": str(args.config), "tiny": bool(args.tiny), "turns": args.turns,
+        report: dict[str, Any] = {"config": str(args.config), "tiny": bool(args.tiny), "checkpoint": args.checkpoint,
+                                  "turns": args.turns,
                                   "steps": [asdict(s) | {"answered": s.answered} for s in steps]}
         Path(args.json).write_text(json.dumps(report, indent=2))
     missing = shortfalls(steps, sizes, args.turns)
@@ -239,7 +264,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/lychee-c4.yaml", help="the server's profile (a file)")
     p.add_argument("--tiny", metavar="DIR", help="swap the model and vocoder for tiny random ones written to DIR")
-    p.add_argument("--device", default="cpu", help="with --tiny: where the tiny model and vocoder run")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="serve DIR/lychee_full_duplex and DIR/token2wav (lychee-rtc download --dir, or "
+                        "lychee-rtc random-checkpoint) instead of the profile's folders")
+    p.add_argument("--device", help="with --tiny (default cpu) or --checkpoint: where model and vocoder run")
     p.add_argument("--sessions", default="1,2,4", help="comma-separated numbers of simultaneous callers")
     p.add_argument("--turns", type=int, default=2, help="utterances each caller speaks per N")
     p.add_argument("--speech", default="tests/fixtures/speech", help="folder of 16-bit WAV utterances")

@@ -87,11 +87,11 @@ class Row:
 
 def released_lychee_spec():
     """The released Lychee-FD dimensions (docs/lychee_fd.md), as a spec the tiny writer understands."""
-    from lychee_rtc.engine.lychee.tiny import TinySpec
+    from dataclasses import replace
 
-    return TinySpec(hidden=3584, heads=28, kv_heads=4, intermediate=18944, main_layers=28, branch_layers=4,
-                    control_branch_layer=8, audio_state=1280, audio_heads=20, audio_layers=32, audio_ctx=1500,
-                    max_positions=16384, vocab_layout="released", decision_bias=4.0)
+    from lychee_rtc.engine.lychee.random_checkpoint import RELEASED_SPEC
+
+    return replace(RELEASED_SPEC, decision_bias=4.0)
 
 
 def build_lychee(size: str, device: "torch.device", dtype: "torch.dtype", seed: int = 0):

@@ -108,6 +108,13 @@ class AudioEncoder(nn.Module):
 
     def forward(self, mel: Tensor, mel_lengths: Tensor) -> Tensor:
         """mel (B, n_mels, T) with valid lengths (B,) -> (B, T//4, n_state)."""
+        x, key_mask = self.stem(mel, mel_lengths)
+        for block in self.blocks:
+            x = block(x, key_mask)
+        return self.finish(x)
+
+    def stem(self, mel: Tensor, mel_lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """The convolutions and positions before the blocks: (x (B, ceil(T/2), s), key mask)."""
         t = mel.shape[-1]
         x = F.gelu(self.conv1(mel))
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # (B, ceil(T/2), s)
@@ -115,9 +122,10 @@ class AudioEncoder(nn.Module):
         # output is valid iff input frame (T+1)%2 + 2i is inside the valid length.
         grid = torch.arange(t, device=mel.device)[(t + 1) % 2 :: 2]
         key_mask = grid[None, :] < mel_lengths[:, None]
-        x = x + self.positional_embedding.weight[: x.shape[1]]
-        for block in self.blocks:
-            x = block(x, key_mask)
+        return x + self.positional_embedding.weight[: x.shape[1]], key_mask
+
+    def finish(self, x: Tensor) -> Tensor:
+        """After the blocks: average pool by 2, final norm."""
         x = self.avg_pooler(x.transpose(1, 2)).transpose(1, 2)
         return self.after_norm(x)
 
@@ -142,8 +150,12 @@ def encode_windows(encoder: AudioEncoder, adapter: Adaptor, filters: Tensor, win
     """(B, 6400) float32 windows -> (B, 5, llm_dim) features in the encoder's dtype."""
     if windows.shape[-1] != WINDOW_SAMPLES:
         raise ValueError(f"expected {WINDOW_SAMPLES}-sample windows, got {windows.shape[-1]}")
-    mel = log_mel(windows, filters)
-    dtype = encoder.conv1.weight.dtype
-    lengths = torch.full((mel.shape[0],), mel.shape[-1] - 2, device=mel.device)  # 40 valid frames
-    feats = adapter(encoder(mel.to(dtype), lengths))
+    mel, lengths = window_mel(windows, filters)
+    feats = adapter(encoder(mel.to(encoder.conv1.weight.dtype), lengths))
     return feats[:, :FEATURES_PER_WINDOW]
+
+
+def window_mel(windows: Tensor, filters: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, 6400) windows -> log-mel (B, n_mels, 42) and its valid lengths (B,) (40 frames)."""
+    mel = log_mel(windows, filters)
+    return mel, torch.full((mel.shape[0],), mel.shape[-1] - 2, device=mel.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -38,6 +38,7 @@ from ..base import (
 from .audio import SAMPLE_RATE, WINDOW_SAMPLES
 from .checkpoint import load_model, parse_dtype
 from .graphs import GRAPH_MODES
+from .hub import HubReferenceError, resolve_folder
 from .runner import LycheeRunner, RunnerSettings
 from .slot import SlotResult
 from .tokenizer import Tokenizer
@@ -55,7 +56,7 @@ class SettingsError(ValueError):
 class LycheeEngineSettings:
     """Profile keys under ``engine.lychee`` (see configs/lychee-c1.yaml)."""
 
-    model_root: str = ""
+    model_root: str = ""  # a folder, or hf://OWNER/NAME[@REVISION]/FOLDER in the Hugging Face cache
     dtype: str = "bf16"
     device: str = "auto"  # "auto": cuda if available, else cpu
     max_seq: int = 8192
@@ -108,8 +109,13 @@ class LycheeEngineSettings:
         s = cls(**values)
         if not s.model_root:
             raise SettingsError("engine.lychee.model_root: required (folder with config.json)")
-        if not (Path(s.model_root) / "config.json").is_file():
+        try:  # a folder, or an hf:// reference found in the Hugging Face cache (hub.py)
+            root = resolve_folder(s.model_root, "engine.lychee.model_root", "model")
+        except HubReferenceError as exc:
+            raise SettingsError(str(exc)) from None
+        if not (root / "config.json").is_file():
             raise SettingsError(f"engine.lychee.model_root: {s.model_root} has no config.json")
+        s = replace(s, model_root=str(root))
         try:
             parse_dtype(s.dtype)
         except ValueError as exc:

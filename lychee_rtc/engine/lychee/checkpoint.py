@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -80,9 +80,10 @@ def _list(names: list[str], limit: int = 8) -> str:
 
 @dataclass(frozen=True)
 class Inventory:
-    """What is on disk, after the checks: name -> (shard, shape)."""
+    """What is on disk, after the checks: name -> (shard, shape), and name -> safetensors dtype."""
 
     tensors: dict[str, tuple[str, tuple[int, ...]]]
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -92,6 +93,7 @@ def check_inventory(root: Path, expected: dict[str, tuple[int, ...]]) -> Invento
     """Compare the shards' headers with the expected name -> shape map; raise on any difference."""
     weight_map = _shard_map(root)
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    dtypes: dict[str, str] = {}
     duplicates: list[str] = []
     for shard in sorted(set(weight_map.values())):
         path = root / shard
@@ -103,7 +105,9 @@ def check_inventory(root: Path, expected: dict[str, tuple[int, ...]]) -> Invento
                     if name in found:
                         duplicates.append(name)
                         continue
-                    found[name] = (shard, tuple(f.get_slice(name).get_shape()))
+                    view = f.get_slice(name)
+                    found[name] = (shard, tuple(view.get_shape()))
+                    dtypes[name] = str(view.get_dtype())
         except (OSError, SafetensorError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
     if duplicates:
@@ -120,7 +124,7 @@ def check_inventory(root: Path, expected: dict[str, tuple[int, ...]]) -> Invento
     bad = [f"{n} {found[n][1]} (expected {expected[n]})" for n in expected if found[n][1] != expected[n]]
     if bad:
         raise CheckpointError(f"tensors with the wrong shape: {_list(bad)}")
-    return Inventory(found)
+    return Inventory(found, dtypes)
 
 
 def expected_inventory(model: LycheeFD) -> dict[str, tuple[int, ...]]:

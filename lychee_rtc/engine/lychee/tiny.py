@@ -159,8 +159,13 @@ def tiny_config(spec: TinySpec) -> dict:
     }
 
 
-def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A random value for one checkpoint tensor: norms near 1, weights ~ N(0, 1/fan_in)."""
+def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device: torch.device | str = "cpu",
+                  full_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A random value for one checkpoint tensor: norms near 1, weights ~ N(0, 1/fan_in).
+
+    ``full_shape``: the whole tensor's shape when ``shape`` is a block of its rows (the scale
+    depends on the whole tensor's fan-in).
+    """
     def randn() -> torch.Tensor:
         return torch.randn(shape, generator=g, device=device)
 
@@ -170,7 +175,8 @@ def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device:
         return 0.02 * randn()
     if "embed_tokens" in name or "positional_embedding" in name:
         return 0.5 * randn()
-    fan_in = shape[1] * (shape[2] if len(shape) > 2 else 1) if len(shape) > 1 else shape[0]
+    whole = full_shape or shape
+    fan_in = whole[1] * (whole[2] if len(whole) > 2 else 1) if len(whole) > 1 else whole[0]
     return randn() / fan_in ** 0.5
 
 
@@ -200,20 +206,30 @@ def bias_decisions(state: dict[str, torch.Tensor], raw: dict, bias: float) -> No
     zeroed, adapter output dim 0 zeroed), so the residual there is always positive; only the
     control stack's final norm keeps dim 0, and lm_head column 0 favours K-L / K-S over S-S / S-L.
     """
-    state["model.embed_tokens.weight"][:, 0] = 1.0
     for name, t in state.items():
-        if name.endswith("self_attn.o_proj.weight") or name.endswith("mlp.down_proj.weight"):
-            t[0, :] = 0.0
-    state["adapter.linear2.weight"][0, :] = 0.0
-    state["adapter.linear2.bias"][0] = 0.0
-    for stack in ("model", "stoken_model", "merge_model"):
-        state[f"{stack}.norm.weight"][0] = 0.0
-    state["control_model.norm.weight"][0] = 1.0
-    head = state["lm_head.weight"]
-    head[:, 0] = 0.0
-    for key, sign in (("keep_listening_token_id", 1), ("keep_speaking_token_id", 1),
-                      ("start_speaking_token_id", -1), ("start_listening_token_id", -1)):
-        head[raw[key], 0] = sign * bias
+        decision_bias_edit(name, t, 0, raw, bias)
+
+
+def decision_bias_edit(name: str, rows: torch.Tensor, first_row: int, raw: dict, bias: float) -> None:
+    """:func:`bias_decisions` on rows ``first_row..`` of one tensor, in place (a writer that makes a
+    checkpoint a block of rows at a time applies it to each block)."""
+    if name == "model.embed_tokens.weight":
+        rows[:, 0] = 1.0
+    elif name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")) or name == "adapter.linear2.weight":
+        if first_row == 0:
+            rows[0, :] = 0.0
+    elif name == "adapter.linear2.bias" or name in ("model.norm.weight", "stoken_model.norm.weight",
+                                                    "merge_model.norm.weight"):
+        rows[0] = 0.0
+    elif name == "control_model.norm.weight":
+        rows[0] = 1.0
+    elif name == "lm_head.weight":
+        rows[:, 0] = 0.0
+        for key, sign in (("keep_listening_token_id", 1), ("keep_speaking_token_id", 1),
+                          ("start_speaking_token_id", -1), ("start_listening_token_id", -1)):
+            i = raw[key] - first_row
+            if 0 <= i < rows.shape[0]:
+                rows[i, 0] = sign * bias
 
 
 def silence_speech_end(state: dict[str, torch.Tensor], raw: dict) -> None:

@@ -3,13 +3,14 @@
 Profile shape (proposed key ``engine.lychee.token2wav``; any mapping works)::
 
     token2wav:
-      folder: /models/Step-Audio-2-mini/token2wav
+      folder: hf://stepfun-ai/Step-Audio-2-mini/token2wav   # or a folder
       device: cuda            # or cpu / cuda:1 / auto
       dtype: fp32             # flow dtype: fp32 | fp16 | bf16 (HiFT is always fp32)
       hop: 10                 # codes per hop (look-ahead is fixed at 3)
-      voices:                 # name -> prompt WAV (any sample rate, <= 17.6 s)
-        default_male: /models/Step-Audio-2-mini/assets/default_male.wav
-      default_voice: default_male
+      voices:                 # name -> prompt WAV (any sample rate, <= 17.6 s), or builtin
+        default: builtin
+        default_male: /models/voices/default_male.wav
+      default_voice: default
       max_cached_voices: 4
       long_stream: extend     # or error (see docs/token2wav.md)
       cuda_graphs: auto       # the flow's per-hop solve as CUDA graphs: auto (on CUDA) | on | off
@@ -24,6 +25,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from lychee_rtc.vocoder.token2wav.voices import BUILTIN_VOICE
+
+from .hub import HubReferenceError, resolve_folder
 
 
 class VocoderSettingsError(ValueError):
@@ -51,7 +56,10 @@ class Token2WavSettings:
                 raise VocoderSettingsError(f"{prefix}.{key}: unknown key")
         if "folder" not in data:
             raise VocoderSettingsError(f"{prefix}.folder: required")
-        folder = Path(str(data["folder"]))
+        try:  # a folder, or an hf:// reference found in the Hugging Face cache
+            folder = resolve_folder(str(data["folder"]), f"{prefix}.folder", "token2wav")
+        except HubReferenceError as exc:
+            raise VocoderSettingsError(str(exc)) from None
         for name in ("flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx"):
             if not (folder / name).is_file():
                 raise VocoderSettingsError(f"{prefix}.folder: {folder} has no {name}")
@@ -60,7 +68,7 @@ class Token2WavSettings:
             raise VocoderSettingsError(f"{prefix}.voices: a mapping of voice name -> prompt WAV is required")
         voices = {}
         for name, path in voices_raw.items():
-            p = Path(str(path))
+            p = BUILTIN_VOICE if str(path) == "builtin" else Path(str(path))
             if not p.is_file():
                 raise VocoderSettingsError(f"{prefix}.voices.{name}: no such file {p}")
             voices[str(name)] = p

@@ -16,6 +16,12 @@ from typing import Mapping
 from .model import Token2Wav, Voice
 
 
+# The prompt voice that ships with lychee-rtc (a profile's ``voices: {name: builtin}``): 6.9 s of
+# synthetic English speech (espeak-ng), so a fresh installation speaks without a recording of its own.
+# It sounds synthetic; a natural voice needs a prompt recording (any sample rate, at most 17.6 s).
+BUILTIN_VOICE = Path(__file__).with_name("data") / "builtin_voice.wav"
+
+
 class UnknownVoice(KeyError):
     pass
 
