@@ -125,3 +125,50 @@ def test_the_audio_level_is_aiortcs():
         frame = av.AudioFrame.from_ndarray(pcm[None, :], format="s16", layout="mono")
         frame.sample_rate = 48000
         assert audio_level_dbov(pcm) == rtp.compute_audio_level_dbov(frame)
+
+
+async def test_the_inline_encoder_sounds_as_aiortcs_did():
+    # Same level (aiortc upmixed mono to stereo at -3 dB) and the same tail after a cut to silence.
+    import fractions
+
+    from aiortc.codecs.opus import OpusDecoder as AiortcDecoder, OpusEncoder as AiortcEncoder
+    from aiortc.jitterbuffer import JitterFrame
+    from aiortc.rtcrtpsender import RTCEncodedFrame
+
+    from lychee_rtc.pcm import FrameResampler
+    from lychee_rtc.rtc.inline_encoder import InlineEncoding
+    from lychee_rtc.rtc.packet_time import PcmFrame
+
+    rng = np.random.default_rng(5)
+    t = np.arange(48000) / 48000
+    speechy = 0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)) + rng.normal(0, 0.05, len(t))
+    pcm = (np.concatenate([speechy, np.zeros(24000)]) * 32767).astype(np.int16)
+    frames = [pcm[i:i + 960] for i in range(0, len(pcm), 960)]
+
+    class Track:
+        def __init__(self):
+            self.n = 0
+
+        async def next_pcm(self):
+            self.n += 1
+            return PcmFrame(frames[self.n - 1], (self.n - 1) * 960, 48000)
+
+    inline = InlineEncoding(type("Sender", (), {"_enabled": True})(), Track(), RTCEncodedFrame)
+    ours = [(await inline.next_encoded_frame(OPUS)).payloads[0] for _ in frames]
+    theirs, encoder = [], AiortcEncoder()
+    for i, f in enumerate(frames):
+        frame = av.AudioFrame.from_ndarray(f[None, :], format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = 48000, i * 960, fractions.Fraction(1, 48000)
+        theirs += encoder.encode(frame)[0]
+
+    def heard(payloads):  # what an aiortc caller decodes, as mono
+        decoder, resampler, out = AiortcDecoder(), FrameResampler("flt", "mono", 48000), []
+        for i, p in enumerate(payloads):
+            for frame in decoder.decode(JitterFrame(p, i * 960)):
+                out += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+        return np.concatenate(out)
+
+    a, b = heard(ours), heard(theirs)
+    level = lambda x: np.sqrt(np.mean(x[9600:38400] ** 2))
+    assert 20 * np.log10(level(a) / level(b)) == pytest.approx(0.0, abs=0.5)
+    assert np.abs(a[48000 + 480:]).max() < 2 * max(np.abs(b[48000 + 480:]).max(), 5e-4)

@@ -29,6 +29,7 @@ MAX_PACKET_BYTES = 1500
 _APPLICATIONS = {"voip": 2048, "audio": 2049, "lowdelay": 2051}
 _SET_BITRATE = 4002
 _SET_COMPLEXITY = 4010
+_SET_VBR_CONSTRAINT = 4020
 
 
 class OpusError(ValueError):
@@ -122,7 +123,8 @@ class OpusEncoder:
 
     _state = None  # libopus's encoder, until closed
 
-    def __init__(self, rate: int = 48000, application: str = "voip", bitrate: int | None = None) -> None:
+    def __init__(self, rate: int = 48000, application: str = "voip", bitrate: int | None = None,
+                 complexity: int | None = None, constrained_vbr: bool = True) -> None:
         if rate not in RATES:
             raise OpusError(f"libopus encodes at {RATES} Hz, not {rate}")
         if application not in _APPLICATIONS:
@@ -137,12 +139,15 @@ class OpusEncoder:
         self._state = lib.opus_encoder_create(rate, 1, _APPLICATIONS[application], ctypes.byref(error))
         _check(lib, error.value, "opus_encoder_create")
         if bitrate is not None:
-            _check(lib, lib.opus_encoder_ctl(ctypes.c_void_p(self._state), _SET_BITRATE, ctypes.c_int(bitrate)), "bitrate")
+            self._ctl(_SET_BITRATE, bitrate, "bitrate")
+        if complexity is not None:
+            self._ctl(_SET_COMPLEXITY, complexity, "complexity")
+        if not constrained_vbr:
+            self._ctl(_SET_VBR_CONSTRAINT, 0, "VBR constraint")
         self._out = ctypes.create_string_buffer(MAX_PACKET_BYTES)
 
-    def set_complexity(self, complexity: int) -> None:
-        _check(self._lib, self._lib.opus_encoder_ctl(ctypes.c_void_p(self._state), _SET_COMPLEXITY, ctypes.c_int(complexity)),
-               "complexity")
+    def _ctl(self, request: int, value: int, what: str) -> None:
+        _check(self._lib, self._lib.opus_encoder_ctl(ctypes.c_void_p(self._state), request, ctypes.c_int(value)), what)
 
     def encode(self, pcm: np.ndarray) -> bytes:
         """``pcm``: int16 mono samples, one frame."""
