@@ -3,10 +3,11 @@
 # environment record, the checkpoint to serve (written here when none is given), its check and
 # memory plan, the CUDA-only tests (graph replay equals eager, for the LM's window programs and the
 # vocoder's per-hop solve), end to end through the server on that checkpoint (`lychee-rtc bench
-# e2e`), `lychee-rtc bench gpu` (full size, random weights in memory, eager vs CUDA graphs) and the
-# per-hop vocoder bench. Results land in $OUT (default ./gpu-results); each step logs to its own
-# file and the run goes on when a step fails, so one run leaves everything it could measure. The
-# final line is a summary.
+# e2e`), `lychee-rtc bench slide` (window steps of speaking sessions around context slides, full
+# size, the profiles' slide geometry: deadline misses and each slide's cost), `lychee-rtc bench gpu`
+# (full size, random weights in memory, eager vs CUDA graphs) and the per-hop vocoder bench.
+# Results land in $OUT (default ./gpu-results); each step logs to its own file and the run goes on
+# when a step fails, so one run leaves everything it could measure. The final line is a summary.
 #
 #   OUT=/tmp/results scripts/gpu_run.sh            # on the GPU machine
 #   OUT=/tmp/results scripts/gpu_run.sh --tiny     # the same steps at tiny size on a CPU (a check)
@@ -21,9 +22,9 @@
 #
 # Knobs (environment): PYTHON (default python3), WINDOWS (20), CONCURRENCY (1,2,4,8,16),
 # E2E_SESSIONS (1,2,4), BUDGET_S (570: the whole run, inside one 10-minute call), and per-step
-# limits WRITE_TIMEOUT_S (240), STEP_TIMEOUT_S (300, bench gpu), E2E_TIMEOUT_S (240), SMALL_TIMEOUT_S
-# (90). A step gets the smaller of its limit and what is left of the budget, and is skipped with
-# less than 20 s left; bench gpu writes its report after every C, so a step cut short keeps the Cs
+# limits WRITE_TIMEOUT_S (240), STEP_TIMEOUT_S (300, bench gpu), E2E_TIMEOUT_S (240),
+# SLIDE_TIMEOUT_S (120, bench slide at SLIDE_SESSIONS 1,4), SMALL_TIMEOUT_S (90). A step gets the
+# smaller of its limit and what is left of the budget, and is skipped with less than 20 s left; bench gpu writes its report after every C, so a step cut short keeps the Cs
 # it finished; it exits non-zero when a row has fewer windows than asked or nothing was measured.
 set -uo pipefail
 
@@ -38,6 +39,9 @@ BUDGET_S=${BUDGET_S:-570}
 WRITE_TIMEOUT_S=${WRITE_TIMEOUT_S:-240}
 STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-300}
 SMALL_TIMEOUT_S=${SMALL_TIMEOUT_S:-90}
+SLIDE_TIMEOUT_S=${SLIDE_TIMEOUT_S:-120}
+SLIDE_SESSIONS=${SLIDE_SESSIONS:-1,4}
+SLIDE=()  # full size: the profiles' slide geometry (8192 positions, 6000 kept, 1500 per slide, 256 per step)
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-240}
 WRITE_DIR=${WRITE_DIR:-}
 CHECKPOINT=${CHECKPOINT:-}
@@ -46,6 +50,7 @@ E2E=(--turns 2)
 if [[ "${1:-}" == "--tiny" ]]; then
   SIZE=tiny DEVICE=cpu WINDOWS=${TINY_WINDOWS:-2} CONCURRENCY=1,2 E2E_SESSIONS=1,2
   EXTRA=(--threads 1 --prompt-seconds 1 --warmup 1)
+  SLIDE=(--threads 1 --max-seq 1024 --window 600 --step 200 --chunk 64) SLIDE_SESSIONS=1,2
   E2E=(--turns 1 --device cpu)
 fi
 [[ -n $WRITE_DIR ]] || WRITE_DIR=/tmp/lychee-rtc-random$([[ $SIZE == tiny ]] && echo -tiny)
@@ -104,7 +109,8 @@ step check "$SMALL_TIMEOUT_S" "$PY" -m lychee_rtc.cli check "${CHECK_ARGS[@]}" -
 
 # The graph-vs-eager checks of the LM's window programs and the vocoder's per-hop solve skip on CPUs
 # ("needs CUDA"); on the GPU a skipped test fails this step, since it means nothing ran on the GPU.
-GRAPH_TESTS=(tests/test_lychee_graphs.py tests/test_vocoder_graphs.py)
+GRAPH_TESTS=(tests/test_lychee_graphs.py tests/test_vocoder_graphs.py
+             tests/test_lychee_context.py::test_replayed_graphs_give_the_eager_streams_across_slides)
 if [[ $DEVICE == cuda ]]; then
   step tests_graphs "$SMALL_TIMEOUT_S" bash -c '
     py=$0 report=$1; shift
@@ -121,6 +127,11 @@ fi
 # windows, end of utterance to first answer audio.
 step e2e "$E2E_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench e2e --config configs/lychee-c4.yaml \
   --sessions "$E2E_SESSIONS" --json "$OUT/e2e.json" "${E2E[@]}" "${E2E_CKPT[@]}"
+
+# Context slides of speaking sessions opened together (their slides in the same window steps): steps
+# over 400 ms, each slide's cost per session and per position (docs/lychee_fd.md, "Long conversations").
+step bench_slide "$SLIDE_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench slide --size "$SIZE" --device "$DEVICE" \
+  --sessions "$SLIDE_SESSIONS" --slides 1 --out "$OUT/bench-slide" "${SLIDE[@]}"
 
 step bench_gpu "$STEP_TIMEOUT_S" "$PY" -m lychee_rtc.cli bench gpu --size "$SIZE" --device "$DEVICE" \
   --windows "$WINDOWS" --concurrency "$CONCURRENCY" --out "$OUT/bench-gpu" "${EXTRA[@]}"

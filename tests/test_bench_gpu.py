@@ -91,13 +91,15 @@ def test_gpu_run_script_runs_every_step_at_tiny_size(tmp_path):
                           text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
-    assert summary.split()[:8] == ["summary:", "environment=0", "write_checkpoint=0", "check=0", "tests_graphs=0",
-                                   "e2e=0", "bench_gpu=0", "bench_vocoder=0"]
+    assert summary.split()[:9] == ["summary:", "environment=0", "write_checkpoint=0", "check=0", "tests_graphs=0",
+                                   "e2e=0", "bench_slide=0", "bench_gpu=0", "bench_vocoder=0"]
     # No checkpoint given: the script wrote one (tiny here, the released size on a GPU) and served it.
     assert json.loads((out / "write_checkpoint.json").read_text())["tensors"] == 172
     check = json.loads((out / "check.json").read_text())
     assert check["model"]["path"] == str(written / "lychee_full_duplex")
     assert [r["sessions"] for r in check["plan"]["rows"]] == [1, 2, 4, 8]
+    slide = json.loads((out / "bench-slide" / "bench_slide.json").read_text())["rows"]
+    assert [(r["sessions"], r["slides"], r["context_resets"]) for r in slide] == [(1, 1, 0), (2, 1, 0)]
     rows = json.loads((out / "bench-gpu" / "bench_gpu.json").read_text())["rows"]
     assert {(r["sessions"], r["state"]) for r in rows} == {(1, "listen"), (1, "speak"), (2, "listen"), (2, "speak")}
     assert json.loads((out / "vocoder.json").read_text())

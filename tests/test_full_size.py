@@ -35,6 +35,7 @@ from lychee_rtc.engine.lychee.inventory import RELEASED_TENSORS, InventoryError,
 from lychee_rtc.engine.lychee.memory_plan import (
     GIB,
     activation_bytes,
+    context_bytes,
     kv_bytes_per_row,
     lm_weight_bytes,
     plan,
@@ -216,11 +217,17 @@ def test_plan_sizes_are_what_the_code_allocates(tiny):
 
     root = tiny / "lychee_full_duplex"
     model = load_model(root, dtype="fp32", progress=False)
-    LycheeRunner(model, Tokenizer.from_dir(root), 3, RunnerSettings(max_seq=512, cuda_graphs="off"))
-    caches = [layer.self_attn.kv_cache for stack in (model.model, model.stoken_model, model.control_model,
-                                                     model.merge_model) for layer in stack.layers]
-    allocated = sum(c.k_cache.numel() * 4 + c.v_cache.numel() * 4 for c in caches)
-    assert allocated + 4 * 512 * 8 == 4 * kv_bytes_per_row(model.cfg, 512, 4)  # 3 slots + scratch row
+    for sliding in (False, True):  # with context slides: a staging row per slot and its stored features
+        runner = LycheeRunner(model, Tokenizer.from_dir(root), 3,
+                              RunnerSettings(max_seq=512, cuda_graphs="off", context_window=None if sliding else 0))
+        caches = [layer.self_attn.kv_cache for stack in (model.model, model.stoken_model, model.control_model,
+                                                         model.merge_model) for layer in stack.layers]
+        allocated = sum(c.k_cache.numel() * 4 + c.v_cache.numel() * 4 for c in caches)
+        allocated += runner.rule_rows.history.numel() * 8
+        allocated += runner.store.feats.numel() * 4 if sliding else 0
+        assert allocated == context_bytes(model.cfg, 3, 512, 4, sliding)
+        if not sliding:
+            assert allocated == 4 * kv_bytes_per_row(model.cfg, 512, 4)  # 3 slots + scratch row
     assert lm_weight_bytes(model.cfg, 4) == sum(p.numel() * 4 for p in model.parameters())
 
     geometry = vocoder_geometry(tiny / "token2wav", {"voices": {"default": "builtin"}, "dtype": "fp32", "hop": 10})
@@ -240,7 +247,9 @@ def test_released_plan_figures():
     assert lm_weight_bytes(cfg, 2) == 11_109_324_544 * 2  # the 982 tensors less the three side tables
     assert kv_bytes_per_row(cfg, 8192, 2) == 40 * 2 * 4 * 8192 * 128 * 2 + 8192 * 8
     rows = [plan(cfg, sessions=c, max_seq=8192, lm_value_bytes=2, vocoder=None, gpu_gib=140.4) for c in (1, 2, 4, 8)]
-    assert [r.kv_cache_gib * GIB for r in rows] == [(c + 1) * kv_bytes_per_row(cfg, 8192, 2) for c in (1, 2, 4, 8)]
+    assert [r.kv_cache_gib * GIB for r in rows] == [context_bytes(cfg, c, 8192, 2, True) for c in (1, 2, 4, 8)]
+    fixed = [plan(cfg, sessions=c, max_seq=8192, lm_value_bytes=2, vocoder=None, sliding=False) for c in (1, 2, 4, 8)]
+    assert [r.kv_cache_gib * GIB for r in fixed] == [(c + 1) * kv_bytes_per_row(cfg, 8192, 2) for c in (1, 2, 4, 8)]
     assert all(a.total_gib < b.total_gib for a, b in zip(rows, rows[1:]))
     assert all(r.fits for r in rows)
     n = rows[0].max_sessions_that_fit

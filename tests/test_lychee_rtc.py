@@ -26,14 +26,20 @@ def tiny_root(tmp_path_factory) -> str:
 
 async def test_lychee_tiny_serves_a_webrtc_session(tiny_root):
     lychee = {"model_root": tiny_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
-              "progress": False, "seed": 1, "token2wav": None}  # no vocoder: the path ends at codes
+              "progress": False, "seed": 1, "token2wav": None,
+              "context_window": None, "context_slide_step": None}  # the profile's sizes are for 8192  # no vocoder: the path ends at codes
     async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
                               engine={"lychee": lychee}) as (url, _app):
         client = RtcClient(url)
         await client.connect(session={"metrics": True})  # a metrics event per engine window
         try:
             created = await client.wait_event("session.created", timeout=60)
-            assert created["session"]
+            # The context policy, from the engine: the system prompt (37 byte tokens here) always
+            # stays, the recent conversation slides (derived from max_seq 1024: 1024 // 5 dropped
+            # per slide, 1024 - 200 - 37 - 20 kept).
+            assert created["session"]["capabilities"]["context"] == {
+                "mode": "sliding", "max_positions": 1024, "positions_per_second": 25.0, "sink_positions": 37,
+                "window_positions": 760, "slide_positions": 200}
             rng = np.random.default_rng(0)
             client.mic.feed((0.05 * rng.standard_normal(RATE * 30)).astype(np.float32))
             client.send({"type": "input_audio_buffer.commit"})  # "answer now": the next decision is S-S
@@ -66,7 +72,8 @@ async def test_lychee_tiny_takes_the_agents_instructions_over_the_ga_dialect(tin
     from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 
     lychee = {"model_root": tiny_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
-              "progress": False, "seed": 1, "token2wav": None}
+              "progress": False, "seed": 1, "token2wav": None,
+              "context_window": None, "context_slide_step": None}  # the profile's sizes are for 8192
     async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
                               engine={"lychee": lychee}) as (url, app):
         client, call_id = await open_call(url, {})

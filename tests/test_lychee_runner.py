@@ -22,6 +22,7 @@ from lychee_rtc.engine.base import (
 )
 from lychee_rtc.engine.lychee.checkpoint import load_model
 from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
+from lychee_rtc.engine.lychee.slide import Slider
 from lychee_rtc.engine.lychee.slot import Mode
 from lychee_rtc.engine.lychee.sampling import control_decision, ngram_banned
 from lychee_rtc.engine.lychee.scoring import score_teacher_forced
@@ -209,18 +210,26 @@ def test_client_cancel_and_forced_listen(model, tok):
     assert any(isinstance(e, ResponseStarted) for e in ev)
 
 
-def test_context_limit_resets_and_never_overflows(model, tok, monkeypatch):
-    # Always decide to speak and keep speaking: the hard stop must end the response cleanly.
+@pytest.mark.parametrize("stalled_slides", [False, True], ids=["sliding-off", "slides-stalled"])
+def test_context_limit_resets_and_never_overflows(model, tok, monkeypatch, stalled_slides):
+    # Always decide to speak and keep speaking: the hard stop must end the response cleanly. With
+    # sliding off this is the policy; with sliding on it is the last resort, reached here only
+    # because the re-prefill is made to do nothing.
     monkeypatch.setattr(decode_mod, "control_decision", Scripted([0] * 50, [1] * 50))
+    if stalled_slides:
+        monkeypatch.setattr(Slider, "advance", lambda *args, **kwargs: 0)
     r = LycheeRunner(model, tok, 1, RunnerSettings(max_seq=200, context_reserve_windows=3,
+                                                   context_window=None if stalled_slides else 0,
                                                    start_speak_factor=2.0, start_listen_factor=1.0,
                                                    max_speech_tokens=1000, max_text_tokens=1000))
+    assert r.policy.enabled is stalled_slides
     r.open(0, SessionOptions())
     ev = run(r, {0: windows(40, 4, scale=0.05)})[0]
     assert any(isinstance(e, EngineError) and e.code == "context_reset" for e in ev)
     done = [e for e in ev if isinstance(e, ResponseDone)]
     assert any(d.status == "incomplete" and d.reason == "context_limit" for d in done)
     assert r.slots[0].fed + r.prefix_len <= 200
+    assert r.slots[0].context_slides == 0
 
 
 def test_close_resets_the_slot(model, tok):

@@ -23,6 +23,26 @@ class CapacityError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ContextPolicy:
+    """How an engine keeps a long conversation inside its model's fixed context.
+
+    Counted in model positions (``positions_per_second`` of them per second of conversation).
+    ``sliding``: the first ``sink_positions`` (the system prompt) always stay; when the conversation
+    reaches ``window_positions + slide_positions`` positions, the oldest ``slide_positions`` are
+    dropped and the most recent ``window_positions`` kept, so memory of the recent conversation
+    survives however long the call lasts. ``reset``: the conversation restarts from the system
+    prompt when the context is full (the client gets an ``error`` with code ``context_reset``).
+    """
+
+    mode: Literal["sliding", "reset"]
+    max_positions: int  # positions per session, system prompt included
+    positions_per_second: float
+    sink_positions: int  # the default system prompt's length; a session's own instructions may be longer
+    window_positions: int  # recent conversation kept by a slide (0 with ``reset``)
+    slide_positions: int  # positions dropped per slide (0 with ``reset``)
+
+
+@dataclass(frozen=True)
 class EngineCapabilities:
     name: str
     input_rate: int  # Hz of the windows pushed into a slot (mono float32)
@@ -42,6 +62,8 @@ class EngineCapabilities:
     # Output mirrors input frame by frame (loopback): the playout may trim standing delay and shift
     # its pacing phase, because there is no speech to protect, only latency to minimise.
     live_passthrough: bool = False
+    # How a long conversation stays within the model's context; None: the engine keeps none.
+    context: ContextPolicy | None = None
 
 
 @dataclass(frozen=True)

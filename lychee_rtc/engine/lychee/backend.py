@@ -37,6 +37,7 @@ from ..base import (
 )
 from .audio import SAMPLE_RATE, WINDOW_SAMPLES
 from .checkpoint import load_model, parse_dtype
+from .context import ContextSettingsError
 from .graphs import GRAPH_MODES
 from .hub import HubReferenceError, resolve_folder
 from .runner import LycheeRunner, RunnerSettings
@@ -70,6 +71,12 @@ class LycheeEngineSettings:
     stoken_delay_num: int | None = None
     strict_codec_range: bool = False
     seed: int = 0
+    # Rolling context (docs/lychee_fd.md, "Long conversations"): recent conversation kept by a
+    # slide, positions dropped per slide (None: derived from max_seq; context_window 0: no
+    # sliding, the conversation resets when full) and positions re-prefilled per window step.
+    context_window: int | None = None
+    context_slide_step: int | None = None
+    context_prefill_chunk: int = 256
     context_reserve_windows: int = 25
     # auto: the window step runs as captured CUDA graphs on a GPU, eagerly on a CPU; on: graphs
     # required (start-up fails without CUDA); off: eager everywhere (graphs.py).
@@ -134,6 +141,13 @@ class LycheeEngineSettings:
             raise SettingsError("engine.lychee.max_seq: must be >= 512")
         if s.context_reserve_windows < 0 or s.context_reserve_windows * 10 > s.max_seq // 2:
             raise SettingsError("engine.lychee.context_reserve_windows: must be >= 0 and leave half the context")
+        # Checked again against the system prefix's length once the tokenizer is loaded.
+        for key in ("context_window", "context_slide_step"):
+            value = getattr(s, key)
+            if value is not None and (value < 0 or value % 10 or (value == 0 and key == "context_slide_step")):
+                raise SettingsError(f"engine.lychee.{key}: must be a multiple of 10 positions (400 ms), got {value}")
+        if s.context_window != 0 and s.context_prefill_chunk <= 10:
+            raise SettingsError("engine.lychee.context_prefill_chunk: must be more than 10 positions (a window)")
         if s.no_repeat_ngram < 0:
             raise SettingsError("engine.lychee.no_repeat_ngram: must be >= 0")
         if s.temperature < 0:
@@ -154,7 +168,9 @@ class LycheeEngineSettings:
             temperature=self.temperature, no_repeat_ngram=self.no_repeat_ngram,
             max_text_tokens=self.max_text_tokens, max_speech_tokens=self.max_speech_tokens,
             stoken_delay_num=self.stoken_delay_num, strict_codec_range=self.strict_codec_range,
-            seed=self.seed, context_reserve_windows=self.context_reserve_windows, cuda_graphs=self.cuda_graphs,
+            seed=self.seed, context_window=self.context_window, context_slide_step=self.context_slide_step,
+            context_prefill_chunk=self.context_prefill_chunk,
+            context_reserve_windows=self.context_reserve_windows, cuda_graphs=self.cuda_graphs,
         )
 
     def resolved_device(self) -> torch.device:
@@ -193,6 +209,8 @@ class LycheeBackend:
         self.tokenizer = Tokenizer.from_dir(settings.model_root)
         try:
             self.runner = LycheeRunner(self.model, self.tokenizer, max_sessions, settings.runner_settings())
+        except ContextSettingsError as exc:  # names its key; it depends on the tokenizer's prefix length
+            raise SettingsError(f"engine.lychee.{exc}") from None
         except ValueError as exc:  # e.g. cuda_graphs: on where torch sees no CUDA device
             raise SettingsError(f"engine.lychee: {exc}") from None
         log.info("lychee engine ready in %.1fs: %s on %s, %d slots, %d positions each, %s",
@@ -216,6 +234,7 @@ class LycheeBackend:
             instructions=True,
             audio_output="pcm" if vocoder_factory is not None else "codes",
             voices=tuple(getattr(vocoder_factory, "voice_names", ()) or ()),
+            context=self.runner.context_policy(),
         )
 
     # -- StepBackend --------------------------------------------------------------------------

@@ -131,8 +131,10 @@ def run(args: argparse.Namespace) -> int:
     counts = sorted({int(c) for c in str(args.sessions).split(",") if c} | {settings.session.max_sessions})
     dtype = str(lychee.get("dtype", "bf16"))
     max_seq = int(lychee.get("max_seq", 8192))
+    sliding = lychee.get("context_window") != 0  # slides keep a second cache row per session
     rows = [plan(cfg, sessions=c, max_seq=max_seq, lm_value_bytes=BYTES[dtype], vocoder=geometry,
-                 max_speech_tokens=int(lychee.get("max_speech_tokens", 1000)), gpu_gib=args.gpu_gib) for c in counts]
+                 max_speech_tokens=int(lychee.get("max_speech_tokens", 1000)), gpu_gib=args.gpu_gib,
+                 sliding=sliding) for c in counts]
     report["plan"] = {"dtype": dtype, "max_seq": max_seq, "gpu_gib": args.gpu_gib, "rows": [asdict(r) for r in rows]}
     print(f"\nmemory plan ({dtype}, max_seq {max_seq}, profile {args.config} with {settings.session.max_sessions} "
           f"session(s)):")

@@ -120,7 +120,7 @@ def prefill(model: LycheeFD, ids: list[int], row: int, text_pad: int) -> None:
     # Merge at the last prefix position sees the first post-prefix text token, <|TextPad|>.
     nxt = torch.tensor([ids[1:] + [text_pad]], device=device)
     e = model.embed_tokens
-    model.forward_positions(e(prefix), e(nxt), model.context(pos, rows))
+    model.forward_positions(e(prefix), e(nxt), model.context(pos, rows, key_len=len(ids)))
 
 
 def listen_window(model: LycheeFD, rules: DecodeRules, text: Tensor, stoken: Tensor, control: Tensor,
@@ -154,6 +154,10 @@ def speak_step(model: LycheeFD, rules: DecodeRules, state: RuleRows, j: int, cur
     text, text_rule = sample_text(model.head(out.text_hidden[:, -1]), cur[:, 0], text_rule, eos=t.text_eos,
                                   pad=t.tts_pad, max_tokens=rules.max_text_tokens,
                                   end_speak_factor=rules.end_speak_factor)
+    # After <tts_end> the position's text is the pad (below): merge sees what the history will
+    # hold, so the caches are those of a forward over the recorded tokens (what a slide's
+    # re-prefill, and the reference's re-prefill after <tts_end>, compute).
+    text = torch.where(ended, t.text_pad, text)
     speech_h = model.merge(out.stoken_hidden, model.embed_tokens(text)[:, None], ctx)
     logits = model.head(speech_h[:, -1], rules.speech_slice)
     speech, speech_rule = sample_speech(
@@ -171,8 +175,7 @@ def speak_step(model: LycheeFD, rules: DecodeRules, state: RuleRows, j: int, cur
         control = torch.full_like(text, forced)
         forced_after_end = forced
     # After <tts_end> the rest of the window is padding that closes with S-L (the reference
-    # appends exactly these tokens); the model still sees every position.
-    text = torch.where(ended, t.text_pad, text)
+    # appends exactly these tokens); the model still sees every position. (Text was padded above.)
     speech = torch.where(ended, t.stoken_pad, speech)
     control = torch.where(ended, forced_after_end, control)
     ended = ended | (speech == t.tts_end)

@@ -6,7 +6,9 @@ Per session count C the plan adds up, from ``config.json``, ``flow.yaml`` and th
   loaded) in the profile's dtype;
 * KV cache: the runner's static caches, one row per slot plus a scratch row for padding rows of a
   batch bucket: ``(C + 1) x layers(all four stacks) x 2 x kv_heads x max_seq x head_dim`` values,
-  plus the per-row speech history of the no-repeat rule;
+  plus the per-row speech history of the no-repeat rule; with context slides on (the default), a
+  staging row per slot more and each slot's stored audio features (``max_seq / 10 + 1`` windows x 5
+  x hidden), what a slide re-prefills from (``slide.py``);
 * vocoder weights: flow (in its dtype) + HiFT (fp32) + the CFM noise buffer;
 * vocoder voices: the primed estimator and conformer caches of each cached voice
   (``P`` prompt frames x 10 Euler steps x depth x 2 CFG rows x heads x 2 head_dim);
@@ -98,11 +100,27 @@ def lm_weight_bytes(cfg: LycheeConfig, value_bytes: int) -> int:
     return sum(p.numel() for p in model.parameters()) * value_bytes
 
 
-def kv_bytes_per_row(cfg: LycheeConfig, max_seq: int, value_bytes: int) -> int:
+def cache_bytes_per_row(cfg: LycheeConfig, max_seq: int, value_bytes: int) -> int:
     layers = sum(c.num_hidden_layers for c in (cfg.text, cfg.stoken, cfg.control, cfg.merge))
     t = cfg.text
-    cache = layers * 2 * t.num_key_value_heads * max_seq * t.head_dim * value_bytes
-    return cache + max_seq * 8  # + the speech history row (int64) of the no-repeat rule
+    return layers * 2 * t.num_key_value_heads * max_seq * t.head_dim * value_bytes
+
+
+def kv_bytes_per_row(cfg: LycheeConfig, max_seq: int, value_bytes: int) -> int:
+    # + the speech history row (int64) of the no-repeat rule
+    return cache_bytes_per_row(cfg, max_seq, value_bytes) + max_seq * 8
+
+
+def slide_bytes_per_session(cfg: LycheeConfig, max_seq: int, value_bytes: int) -> int:
+    """With context slides: the slot's staging cache row and its stored audio features."""
+    features = (max_seq // 10 + 1) * 5 * cfg.text.hidden_size * value_bytes
+    return cache_bytes_per_row(cfg, max_seq, value_bytes) + features
+
+
+def context_bytes(cfg: LycheeConfig, sessions: int, max_seq: int, value_bytes: int, sliding: bool) -> int:
+    """Every slot's caches and the scratch row, and with slides each slot's staging row and features."""
+    slides = sessions * slide_bytes_per_session(cfg, max_seq, value_bytes) if sliding else 0
+    return (sessions + 1) * kv_bytes_per_row(cfg, max_seq, value_bytes) + slides
 
 
 def activation_bytes(cfg: LycheeConfig, batch: int, max_seq: int, value_bytes: int) -> int:
@@ -144,20 +162,22 @@ def vocoder_bytes(g: VocoderGeometry, sessions: int, max_speech_tokens: int) -> 
 
 
 def plan(cfg: LycheeConfig, *, sessions: int, max_seq: int, lm_value_bytes: int, vocoder: VocoderGeometry | None,
-         max_speech_tokens: int = 1000, gpu_gib: float = H200_GIB) -> PlanRow:
+         max_speech_tokens: int = 1000, gpu_gib: float = H200_GIB, sliding: bool = True) -> PlanRow:
     w = lm_weight_bytes(cfg, lm_value_bytes)
     row = kv_bytes_per_row(cfg, max_seq, lm_value_bytes)
-    kv = (sessions + 1) * row
+    if sliding:
+        row += slide_bytes_per_session(cfg, max_seq, lm_value_bytes)
+    kv = context_bytes(cfg, sessions, max_seq, lm_value_bytes, sliding)
     vw, vv, vs = vocoder_bytes(vocoder, sessions, max_speech_tokens) if vocoder is not None else (0, 0, 0)
     act = activation_bytes(cfg, sessions, max_seq, lm_value_bytes)
     total = w + kv + vw + vv + vs + act + RUNTIME_RESERVE_GIB * GIB
     out = PlanRow(sessions, w / GIB, kv / GIB, row / GIB, vw / GIB, vv / GIB, vs / GIB, act / GIB, RUNTIME_RESERVE_GIB,
                   total / GIB, gpu_gib, gpu_gib - total / GIB, total / GIB <= gpu_gib)
-    return _with_capacity(out, cfg, max_seq, lm_value_bytes, vocoder, max_speech_tokens, gpu_gib)
+    return _with_capacity(out, cfg, max_seq, lm_value_bytes, vocoder, max_speech_tokens, gpu_gib, sliding)
 
 
 def _with_capacity(row: PlanRow, cfg: LycheeConfig, max_seq: int, lm_value_bytes: int,
-                   vocoder: VocoderGeometry | None, max_speech_tokens: int, gpu_gib: float) -> PlanRow:
+                   vocoder: VocoderGeometry | None, max_speech_tokens: int, gpu_gib: float, sliding: bool) -> PlanRow:
     """How many sessions this GPU holds with these settings (the largest C whose total fits)."""
     from dataclasses import replace
 
@@ -165,7 +185,7 @@ def _with_capacity(row: PlanRow, cfg: LycheeConfig, max_seq: int, lm_value_bytes
 
     def total(c: int) -> float:
         vw, vv, vs = vocoder_bytes(vocoder, c, max_speech_tokens) if vocoder is not None else (0, 0, 0)
-        return (weights + (c + 1) * kv_bytes_per_row(cfg, max_seq, lm_value_bytes)
+        return (weights + context_bytes(cfg, c, max_seq, lm_value_bytes, sliding)
                 + vw + vv + vs + activation_bytes(cfg, c, max_seq, lm_value_bytes)) / GIB + RUNTIME_RESERVE_GIB
 
     lo, hi = 0, 1

@@ -40,8 +40,10 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, rows: Tensor | None, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k/v (B, H, T, D) at positions input_pos (B, T) of cache rows ``rows`` (B,).
+    def update(self, rows: Tensor | None, input_pos: Tensor, k: Tensor, v: Tensor,
+               key_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """Write k/v (B, H, T, D) at positions input_pos (B, T) of cache rows ``rows`` (B,); return
+        the rows' keys and values at positions ``0..key_len-1`` (all of them by default).
 
         ``rows=None`` means the batch is rows 0..B-1 in order: the cache is then read as a view,
         which is the fast path a full, static batch always takes.
@@ -50,13 +52,19 @@ class KVCache(nn.Module):
         idx = torch.arange(b, device=k.device) if rows is None else rows
         self.k_cache[idx[:, None], :, input_pos] = k.transpose(1, 2)
         self.v_cache[idx[:, None], :, input_pos] = v.transpose(1, 2)
+        n = self.k_cache.shape[2] if key_len is None else key_len
         if rows is None:
-            return self.k_cache[:b], self.v_cache[:b]
-        return self.k_cache[rows], self.v_cache[rows]
+            return self.k_cache[:b, :, :n], self.v_cache[:b, :, :n]
+        return self.k_cache[rows, :, :n], self.v_cache[rows, :, :n]
 
     def reset_rows(self, rows: list[int]) -> None:
         self.k_cache[rows] = 0
         self.v_cache[rows] = 0
+
+    def copy_positions(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n-1 of row ``src`` into row ``dst``, in place (captured graphs keep the address)."""
+        self.k_cache[dst, :, :n] = self.k_cache[src, :, :n]
+        self.v_cache[dst, :, :n] = self.v_cache[src, :, :n]
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +114,8 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, d).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         assert self.kv_cache is not None, "call setup_caches() first"
-        k, v = self.kv_cache.update(rows, input_pos, k, v)
+        # The mask's width says how many key positions this forward can see (a prefill's fewer).
+        k, v = self.kv_cache.update(rows, input_pos, k, v, key_len=mask.shape[-1])
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_head * d))
 
@@ -160,12 +169,14 @@ class StepContext:
 
     input_pos: Tensor  # (B, T) absolute positions (system prefix included)
     rows: Tensor | None  # (B,) KV-cache rows, or None for rows 0..B-1
-    mask: Tensor  # (B, 1, T, max_seq) bool: key position <= query position
+    mask: Tensor  # (B, 1, T, K) bool: key position <= query position, over key positions 0..K-1
     _rope: dict | None = None
 
     @classmethod
-    def build(cls, input_pos: Tensor, rows: Tensor | None, max_seq: int) -> "StepContext":
-        keys = torch.arange(max_seq, device=input_pos.device)
+    def build(cls, input_pos: Tensor, rows: Tensor | None, key_len: int) -> "StepContext":
+        """``key_len``: the cache positions attention reads, ``max_seq`` for the window programs
+        (static shapes); a prefill whose positions end before that reads only what it can see."""
+        keys = torch.arange(key_len, device=input_pos.device)
         mask = (keys[None, None, :] <= input_pos[:, :, None])[:, None]
         return cls(input_pos=input_pos, rows=rows, mask=mask, _rope={})
 
@@ -212,14 +223,25 @@ class LycheeFD(nn.Module):
                 layer.self_attn.kv_cache = KVCache(max_batch, c.num_key_value_heads, max_seq, c.head_dim, dtype, device)
         self.max_batch, self.max_seq = max_batch, max_seq
 
-    def reset_rows(self, rows: list[int]) -> None:
+    def caches(self) -> list[KVCache]:
+        out = []
         for stack in (self.model, self.stoken_model, self.control_model, self.merge_model):
             for layer in stack.layers:
-                assert layer.self_attn.kv_cache is not None
-                layer.self_attn.kv_cache.reset_rows(rows)
+                assert layer.self_attn.kv_cache is not None, "call setup_caches() first"
+                out.append(layer.self_attn.kv_cache)
+        return out
 
-    def context(self, input_pos: Tensor, rows: Tensor | None) -> StepContext:
-        return StepContext.build(input_pos, rows, self.max_seq)
+    def reset_rows(self, rows: list[int]) -> None:
+        for cache in self.caches():
+            cache.reset_rows(rows)
+
+    def copy_positions(self, src: int, dst: int, n: int) -> None:
+        """Every stack's cache positions 0..n-1 from row ``src`` to row ``dst`` (a context slide)."""
+        for cache in self.caches():
+            cache.copy_positions(src, dst, n)
+
+    def context(self, input_pos: Tensor, rows: Tensor | None, key_len: int | None = None) -> StepContext:
+        return StepContext.build(input_pos, rows, self.max_seq if key_len is None else key_len)
 
     # -- embeddings -------------------------------------------------------------------------
 

@@ -23,7 +23,13 @@ fills the programs' buffers, and hands the decided tokens back to the state mach
 
 State of a slot lives in :class:`~.slot.SlotState` (host) and in rows of a few device buffers
 indexed by slot (KV caches, and :class:`~.decode.RuleRows`: speech history for the 4-gram rule,
-rule counters); closing a slot resets both.
+rule counters; with sliding on, its staging cache row and stored audio features); closing a slot
+resets all of them.
+
+Long conversations (``context.py``, ``slide.py``): after each step, a slot nearing its slide point
+re-prefills the context it will keep (system prefix + recent conversation) into its staging row, a
+chunk per step; at the slide point that row replaces the slot's and the slot goes on at the new
+positions. ``max_seq`` positions per slot, whatever the conversation's length.
 
 Static shapes (``graphs.py``): each group's batch is padded to a bucket (1, 2, 4, 8, ...) and its
 inputs are copied into that bucket's fixed buffers; the listening forward and the speaking window
@@ -42,9 +48,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..base import Control, EngineEvent, SessionOptions
+from ..base import ContextPolicy, Control, EngineEvent, SessionOptions
 from .audio import encode_windows, mel_filterbank
 from .config import LycheeConfig, SpecialTokens
+from .context import POSITIONS_PER_SECOND, SlidePolicy
 from .decode import CHUNK, DecodeRules, RuleRows, prefill
 from .graphs import (
     BatchRows,
@@ -59,6 +66,7 @@ from .graphs import (
     use_cuda_graphs,
 )
 from .model import LycheeFD
+from .slide import FeatureStore, SlideJob, Slider
 from .slot import Mode, SlotMachine, SlotResult, SlotState
 from .tokenizer import Tokenizer
 
@@ -83,7 +91,14 @@ class RunnerSettings:
     stoken_delay_num: int | None = None  # None: config.json's value
     strict_codec_range: bool = False  # sample only codes the vocoder accepts (< codec vocab size)
     seed: int = 0
-    # Listening with fewer than this many windows of context left resets the conversation.
+    # Rolling context (context.py): conversation positions kept by a slide and dropped per slide
+    # (None: from max_seq, docs/lychee_fd.md; context_window 0 turns sliding off), and positions
+    # re-prefilled per window step while a slide is prepared.
+    context_window: int | None = None
+    context_slide_step: int | None = None
+    context_prefill_chunk: int = 256
+    # Sliding off: listening with fewer than this many windows of context left resets the
+    # conversation (with sliding on, a reset happens only at the very end, as a last resort).
     context_reserve_windows: int = 25
     cuda_graphs: str = "auto"  # auto: captured on CUDA, eager elsewhere; on: CUDA required; off: eager
 
@@ -107,10 +122,23 @@ class LycheeRunner:
         if settings.max_seq < self.prefix_len + 4 * CHUNK:
             raise ValueError(f"max_seq {settings.max_seq} leaves no room after the {self.prefix_len}-token prefix")
         self.max_post = settings.max_seq - self.prefix_len
-        # One row per slot plus a scratch row that padding rows of a bucket may write (graphs.py).
+        self.policy = SlidePolicy.build(settings.max_seq, settings.context_window, settings.context_slide_step,
+                                        settings.context_prefill_chunk, self.prefix_len, self.max_prefix)
+        # One row per slot plus a scratch row that padding rows of a bucket may write (graphs.py),
+        # and with sliding on one staging row per slot after those (slide.py).
         self.scratch = max_sessions
         self.buckets = bucket_sizes(max_sessions)
-        model.setup_caches(max_sessions + 1, settings.max_seq)
+        sliding = self.policy.enabled
+        model.setup_caches(max_sessions + 1 + (max_sessions if sliding else 0), settings.max_seq)
+        self.store: FeatureStore | None = None
+        self.slider: Slider | None = None
+        self.slides: dict[int, SlideJob] = {}
+        self.slide_work = 0  # positions re-prefilled in the last step (benchmarks read it)
+        self.slides_done = 0  # slides that took effect in the last step
+        if sliding:
+            hidden = model.embed_tokens.weight.shape[1]
+            self.store = FeatureStore(max_sessions, settings.max_seq // CHUNK + 1, hidden,
+                                      model.embed_tokens.weight.dtype, self.device)
         self.filters = mel_filterbank(device=self.device)
         st = settings
         self.rules = DecodeRules.build(
@@ -121,7 +149,10 @@ class LycheeRunner:
             no_repeat_ngram=st.no_repeat_ngram)
         self.rule_rows = RuleRows.create(max_sessions + 1, st.max_seq, self.tok.stoken_pad, self.device)
         self.machine = SlotMachine(self.cfg, self.tok, tokenizer, self, code_lo=self.rules.code_lo,
-                                   max_seq=st.max_seq, context_reserve_windows=st.context_reserve_windows)
+                                   max_seq=st.max_seq, context_reserve_windows=st.context_reserve_windows,
+                                   sliding=sliding)
+        if self.store is not None:
+            self.slider = Slider(model, self.store, self.tok.audio_pad)
         self.slots: list[SlotState | None] = [None] * max_sessions
         # Graphs are captured here, before any slot opens: a capture's warm-up writes the caches.
         self.graphs_captured = use_cuda_graphs(settings.cuda_graphs, self.device)
@@ -142,6 +173,17 @@ class LycheeRunner:
     def use_graphs(self, value: bool) -> None:
         """False runs the captured programs eagerly (to compare)."""
         self.window_programs.use_graphs = value
+
+    def context_policy(self) -> ContextPolicy:
+        """The policy as the engine reports it (capabilities, ``session.created``)."""
+        p = self.policy
+        return ContextPolicy(mode="sliding" if p.enabled else "reset", max_positions=self.settings.max_seq,
+                             positions_per_second=POSITIONS_PER_SECOND, sink_positions=self.prefix_len,
+                             window_positions=p.kept(self.prefix_len, self.prefix_len) if p.enabled else 0,
+                             slide_positions=p.step if p.enabled else 0)
+
+    def staging_row(self, slot: int) -> int:
+        return self.scratch + 1 + slot
 
     def system_prefix(self, instructions: str | None) -> list[int]:
         text = SYSTEM_TEMPLATE.format(instructions=instructions or DEFAULT_INSTRUCTIONS)
@@ -191,19 +233,26 @@ class LycheeRunner:
     @torch.no_grad()
     def start_context(self, state: SlotState) -> None:
         """Fresh conversation in this slot: prefill the system prefix, decide position 0."""
+        self.slides.pop(state.index, None)
         self._clear_rows(state.index)
         self.machine.reset_host(state)
         prefill(self.model, state.prefix_ids, state.index, self.tok.text_pad)
 
     def pad_speech(self, slot: int, position: int) -> None:
         self.rule_rows.history[slot, position] = self.tok.stoken_pad
+        job = self.slides.get(slot)
+        if job is not None:
+            job.rewind(position)
 
     def reset_rules(self, slot: int) -> None:
         self.rule_rows.reset_rules(slot)
 
     def _clear_rows(self, slot: int) -> None:
-        self.model.reset_rows([slot])
+        self.slides.pop(slot, None)
+        self.model.reset_rows([slot] if self.store is None else [slot, self.staging_row(slot)])
         self.rule_rows.reset(slot, self.tok.stoken_pad)
+        if self.store is not None:
+            self.store.clear(slot)
 
     # ------------------------------------------------------------------------------------------
     # the step
@@ -221,6 +270,8 @@ class LycheeRunner:
             states.append(state)
         windows = torch.from_numpy(np.stack([np.asarray(w, dtype=np.float32) for _, w, _ in items])).to(self.device)
         feats = encode_windows(self.model.encoder, self.model.adapter, self.filters, windows)
+        if self.store is not None:  # kept for the re-prefills of slides
+            self.store.write([s.index for s in states], [s.window for s in states], feats)
         feats = feats.reshape(-1, feats.shape[-1])  # row 5i+j: feature j of item i
 
         listen = [i for i, s in enumerate(states) if s.mode is Mode.LISTENING]
@@ -242,7 +293,34 @@ class LycheeRunner:
                     self.machine.after_listening(states[i], results[i], n, first, probs)
                 else:
                     self.machine.after_speaking(states[i], results[i], first, probs)
+        # The window's results are on the host: now, off its critical path, the slides' share.
+        self._advance_slides(states)
         return results
+
+    def _advance_slides(self, states: list[SlotState]) -> None:
+        """Start, feed and finish the context slides of the slots stepped now (``slide.py``)."""
+        self.slide_work = self.slides_done = 0
+        if self.slider is None:
+            return
+        for s in states:
+            job = self.slides.get(s.index)
+            if job is None:
+                prefix = s.pending_prefix_ids if s.pending_prefix_ids is not None else s.prefix_ids
+                plan = self.policy.plan(s.prefix_len, len(prefix))
+                if plan is None or len(s.text) < plan.start_at:
+                    continue
+                plan = self.policy.plan(s.prefix_len, len(prefix), decided=len(s.text))
+                assert plan is not None
+                job = self.slides[s.index] = SlideJob(plan, prefix)
+            staging = self.staging_row(s.index)
+            self.slide_work += self.slider.advance(job, s.index, staging, s.text, s.stoken, s.control, s.fed,
+                                                   self.policy.chunk)
+            if job.ready(len(s.text), s.fed):
+                self.slider.switch(job, s.index, staging, self.rule_rows, len(s.text), s.window, self.tok.stoken_pad)
+                self.machine.slide(s, job.plan.shift, job.prefix_ids)
+                del self.slides[s.index]
+                self.slides_done += 1
+                log.debug("slot %d: context slid by %d positions (%d kept)", s.index, job.plan.shift, len(s.text))
 
     def _by_length(self, states: list[SlotState], idx: list[int]) -> list[list[int]]:
         groups: dict[int, list[int]] = {}

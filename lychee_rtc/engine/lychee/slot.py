@@ -3,7 +3,8 @@
 A slot listens or speaks. Between windows it takes controls (cancel, force-listen, commit,
 restart, update); after each window it turns the decided tokens into engine events: the listening
 decision (S-S starts a response), a speaking window's text and codes, the natural end
-(``<tts_end>``), the model's own barge-in (S-L without ``<tts_end>``), the context limit.
+(``<tts_end>``), the model's own barge-in (S-L without ``<tts_end>``). A context slide
+(``slide.py``) shifts its positions and nothing else; the context limit's reset is the last resort.
 
 The machine owns no tensors. What it needs from the device side (a prefill, a speech-history
 position padded, the rule state of a new response) it asks through :class:`SlotDevice`, which the
@@ -71,6 +72,8 @@ class SlotState:
     seed: int | None = None  # the client's seed, when it chose one
     codes_dropped: int = 0
     context_resets: int = 0
+    context_slides: int = 0
+    dropped: int = 0  # conversation positions dropped by slides since the conversation began
 
     @property
     def prefix_len(self) -> int:
@@ -104,7 +107,7 @@ class SlotDevice(Protocol):
 
 class SlotMachine:
     def __init__(self, cfg: LycheeConfig, tok: SpecialTokens, tokenizer: Tokenizer, device: SlotDevice, *,
-                 code_lo: int, max_seq: int, context_reserve_windows: int):
+                 code_lo: int, max_seq: int, context_reserve_windows: int, sliding: bool = False):
         self.tok = tok
         self.tokenizer = tokenizer
         self.device = device
@@ -113,6 +116,9 @@ class SlotMachine:
         self.speech_end = cfg.stoken_token_ids_max
         self.max_seq = max_seq
         self.context_reserve_windows = context_reserve_windows
+        # With sliding, a slide keeps the slot two windows short of its end; the reset is only the
+        # last resort at the very end.
+        self.sliding = sliding
 
     def reset_host(self, state: SlotState) -> None:
         """The host half of a fresh conversation: position 0 decided, nothing fed, listening."""
@@ -122,6 +128,7 @@ class SlotMachine:
         state.text, state.stoken, state.control = [t.text_pad], [t.stoken_pad], [t.sleep]
         state.fed = 0
         state.window = 0
+        state.dropped = 0
         state.mode = Mode.LISTENING
         state.forced_decision = None
 
@@ -196,8 +203,23 @@ class SlotMachine:
         self._context_policy(state, res)
         return res
 
+    def slide(self, state: SlotState, shift: int, prefix_ids: list[int]) -> None:
+        """The host half of a slide: the oldest ``shift`` positions are gone, the context now
+        starts with ``prefix_ids`` (new instructions waiting for it take effect here)."""
+        assert shift % CHUNK == 0 and shift <= state.fed
+        del state.text[:shift], state.stoken[:shift], state.control[:shift]
+        state.fed -= shift
+        state.window -= shift // CHUNK
+        state.dropped += shift
+        state.context_slides += 1
+        if state.pending_prefix_ids is prefix_ids:
+            state.pending_prefix_ids = None
+        state.prefix_ids = prefix_ids
+
     def _context_policy(self, state: SlotState, res: SlotResult) -> None:
-        """Never run past the static cache; reset the conversation while listening when close."""
+        """Never run past the static cache; reset the conversation while listening when close.
+
+        With sliding on this is the last resort, reached only if a slide could not keep up."""
         k = state.window
         capacity = (self.max_seq - state.prefix_len - CHUNK) // CHUNK  # windows that fit
         left = capacity - k
@@ -209,10 +231,12 @@ class SlotMachine:
                 res.events.append(ResponseDone(state.epoch, rid, "incomplete", "context_limit"))
             res.events.append(TurnState(state.epoch, "listening", "context_limit"))
         # Never let the reserve exceed half the context (a long system prompt shrinks it).
-        reserve = min(self.context_reserve_windows, capacity // 2)
+        reserve = 1 if self.sliding else min(self.context_reserve_windows, capacity // 2)
         if state.mode is Mode.LISTENING and left <= reserve:
             state.context_resets += 1
-            log.info("slot %d: context limit (%d positions); conversation memory reset", state.index, self.max_seq)
+            # With sliding on this means a slide could not keep up: worth a warning.
+            (log.warning if self.sliding else log.info)(
+                "slot %d: context limit (%d positions); conversation memory reset", state.index, self.max_seq)
             res.events.append(EngineError(state.epoch, "context_reset",
                                           f"the model's context ({self.max_seq} positions, "
                                           f"{self.max_seq * 0.04:.0f} s) is nearly full: its memory of "
