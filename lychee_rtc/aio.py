@@ -9,7 +9,60 @@ from typing import Iterable
 log = logging.getLogger(__name__)
 
 
-async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+class Signal:
+    """A flag that wakes its waiters when set, like ``asyncio.Event``, with a cheap timed wait.
+
+    The per-packet loops of a call (the window clock, the outbound pacer) wait for "audio arrived, or
+    this deadline" some fifty times a second. ``wait_event`` on an ``asyncio.Event`` needs a task per
+    wait to stay cancellation-safe; a ``Signal`` needs one future and one timer.
+    """
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._waiters: list[asyncio.Future] = []
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(True)
+
+    def clear(self) -> None:
+        self._flag = False
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Until set (True) or ``timeout`` seconds have passed (False).
+
+        A cancellation is never lost: the waiter is a plain future, so a cancel that lands in the same
+        loop iteration as ``set`` still raises ``CancelledError`` here."""
+        if self._flag:
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
+        timer = loop.call_later(timeout, _expire, waiter) if timeout is not None else None
+        try:
+            return await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            try:
+                self._waiters.remove(waiter)  # still there unless set() woke it
+            except ValueError:
+                pass
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
+async def wait_event(event: asyncio.Event | Signal, timeout: float | None) -> bool:
     """Wait until ``event`` is set, at most ``timeout`` seconds; True if it was set.
 
     Not ``asyncio.wait_for(event.wait(), timeout)``: before Python 3.12, ``wait_for`` returns
@@ -17,6 +70,8 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
     cancellation is lost. A loop that waits on an event forever then never ends, and keeps
     everything it references alive (a whole call, in the session's window clock).
     """
+    if isinstance(event, Signal):
+        return await event.wait(timeout)
     if event.is_set():
         return True
     waiter = asyncio.ensure_future(event.wait())

@@ -1,4 +1,4 @@
-"""wait_event: a timed wait on an event that never loses a cancellation."""
+"""wait_event and Signal: timed waits on an event that never lose a cancellation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from lychee_rtc.aio import wait_event
+from lychee_rtc.aio import Signal, wait_event
 
 
 async def test_wait_event_reports_set_or_timeout():
@@ -40,3 +40,37 @@ async def test_a_cancel_in_the_same_iteration_as_the_event_ends_the_waiting_loop
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 60)
     assert rounds == 1
+
+
+async def test_a_signal_wakes_its_waiter_or_times_out():
+    signal = Signal()
+    assert await signal.wait(0.01) is False
+    asyncio.get_running_loop().call_soon(signal.set)
+    assert await signal.wait(60) is True
+    assert await signal.wait(0) is True  # already set
+    signal.clear()
+    assert await wait_event(signal, 0.01) is False  # wait_event takes a Signal too
+    assert signal._waiters == []  # a timed-out wait leaves nothing behind
+
+
+async def test_a_cancel_in_the_same_iteration_as_a_signal_is_not_lost():
+    signal = Signal()
+    waiting = asyncio.Event()
+    rounds = 0
+
+    async def clock_loop() -> None:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            signal.clear()
+            waiting.set()
+            await signal.wait(60)
+
+    task = asyncio.create_task(clock_loop())
+    await waiting.wait()
+    signal.set()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 60)
+    assert rounds == 1
+    assert signal._waiters == []

@@ -111,3 +111,13 @@ async def test_the_measure_sees_the_delay_aiortc_keeps():
     assert lost > 0, "the emulated loss never reached the server"
     kept = _kept_ms(before, after)
     assert kept > 100, f"{kept:.0f} ms kept; distances {before} / {after}; {counters}"
+
+
+def test_a_faint_chirp_shape_is_not_a_probe():
+    # Shapes 80 dB below the probe (what a decoder may leave in digital silence) score like a chirp
+    # in the normalised filter, but are not one.
+    probe = chirp()
+    signal = np.zeros(RATE, np.float32)
+    signal[1000:1000 + len(probe)] += probe
+    signal[20000:20000 + len(probe)] += 1e-4 * probe
+    assert find_onsets(signal, probe) == [1000]

@@ -25,6 +25,7 @@ from lychee_rtc.resources import shared_path
 
 MAX_CALLS = 8
 PCS_KEY = web.AppKey("pcs", set)
+MAX_CALLS_KEY = web.AppKey("max_calls", int)
 
 
 async def offer(request: web.Request) -> web.Response:
@@ -37,7 +38,7 @@ async def offer(request: web.Request) -> web.Response:
         return web.json_response({"error": {"code": "invalid_request", "message": "expected {type: offer, sdp}"}},
                                  status=400)
     pcs: set[RTCPeerConnection] = request.app[PCS_KEY]
-    if len(pcs) >= MAX_CALLS:
+    if len(pcs) >= request.app[MAX_CALLS_KEY]:
         return web.json_response({"error": {"code": "server_full", "message": "relay is full"}}, status=503)
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     pcs.add(pc)
@@ -73,9 +74,10 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
-def create_app() -> web.Application:
+def create_app(max_calls: int = MAX_CALLS) -> web.Application:
     app = web.Application()
     app[PCS_KEY] = set()
+    app[MAX_CALLS_KEY] = max_calls
     app.router.add_post("/v1/rtc/offer", offer)
     app.router.add_get("/latency", page)
     app.router.add_get("/readyz", readyz)
@@ -89,10 +91,10 @@ def create_app() -> web.Application:
 
 
 @asynccontextmanager
-async def spawned_relay() -> AsyncIterator[tuple[str, int]]:
+async def spawned_relay(max_calls: int = MAX_CALLS) -> AsyncIterator[tuple[str, int]]:
     """The relay in a child process on a free port; yields (base_url, pid) once it answers."""
     port = free_port()
-    argv = [sys.executable, "-m", "lychee_rtc.bench.aiortc_relay", "--port", str(port)]
+    argv = [sys.executable, "-m", "lychee_rtc.bench.aiortc_relay", "--port", str(port), "--max-calls", str(max_calls)]
     async with spawned_http_process(argv, port, "aiortc relay") as running:
         yield running
 
@@ -101,8 +103,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8090)
+    parser.add_argument("--max-calls", type=int, default=MAX_CALLS)
     args = parser.parse_args()
-    web.run_app(create_app(), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(create_app(args.max_calls), host=args.host, port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

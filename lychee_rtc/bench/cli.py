@@ -14,7 +14,7 @@ from typing import Any
 # name -> (module, one-line summary); the module's add_parser() registers the same name.
 BENCHES: dict[str, tuple[str, str]] = {
     "latency": ("lychee_rtc.bench.latency", "mouth-to-ear latency with chirps against the loopback engine"),
-    "load": ("lychee_rtc.bench.load", "N concurrent calls; the largest N within a latency budget"),
+    "load": ("lychee_rtc.bench.load", "N concurrent calls: server CPU per call, client CPU, the aiortc relay, latency, the largest N within budget"),
     "signaling": ("lychee_rtc.bench.signaling", "offer -> answer time of running servers (a cluster entry, a worker)"),
     "lychee-step": ("lychee_rtc.bench.lychee_step", "per-window step time of the Lychee-FD runner (tiny model, CPU)"),
     "vocoder": ("lychee_rtc.bench.token2wav_bench", "Token2Wav streaming time and RTF per hop at C1/C2/C4"),

@@ -39,16 +39,27 @@ def matched_filter(signal: np.ndarray, probe: np.ndarray) -> np.ndarray:
     return corr / norm
 
 
-def find_onsets(signal: np.ndarray, probe: np.ndarray, threshold: float = 0.6) -> list[int]:
-    """Offsets where ``probe`` starts in ``signal`` (one per probe: local maxima above threshold)."""
+# A detection must carry at least this share of the probe's RMS level (-30 dB). The normalised
+# score ignores level, and Opus coding digital silence after a chirp can leave faint shapes of it
+# 70 dB and more down, which score like a chirp; no probe comes back that quiet.
+MIN_LEVEL = 0.03
+
+
+def find_onsets(signal: np.ndarray, probe: np.ndarray, threshold: float = 0.6,
+                min_level: float = MIN_LEVEL) -> list[int]:
+    """Offsets where ``probe`` starts in ``signal`` (one per probe: local maxima above threshold, at
+    no less than ``min_level`` of the probe's RMS level)."""
     score = matched_filter(signal, probe)
     onsets: list[int] = []
     i = 0
     n = len(probe)
+    floor = min_level * float(np.sqrt(np.mean(probe.astype(np.float64) ** 2)))
     while i < len(score):
         if score[i] >= threshold:
             j = i + int(np.argmax(score[i:i + n]))
-            onsets.append(j)
+            segment = signal[j:j + n].astype(np.float64)
+            if np.sqrt(np.mean(segment ** 2)) >= floor:
+                onsets.append(j)
             i = j + n
         else:
             i += 1

@@ -69,3 +69,25 @@ async def spawned_server(config: str, env: dict[str, str] | None = None,
             "--port", str(port)]
     async with spawned_http_process(argv, port, "server", env, ready_timeout_s) as running:
         yield running
+
+
+@asynccontextmanager
+async def spawned_cluster(config: str, env: dict[str, str], workers: int,
+                          ready_timeout_s: float = 180.0) -> AsyncIterator[tuple[str, int]]:
+    """``lychee-rtc cluster serve`` (a local Ray, ``workers`` worker processes) on a free port; yields
+    (base_url, entry pid) once every worker is ready."""
+    port = free_port()
+    argv = [sys.executable, "-m", "lychee_rtc.cli", "--log-level", "WARNING", "cluster", "serve", "--config", config,
+            "--port", str(port)]
+    async with spawned_http_process(argv, port, "cluster entry", env, ready_timeout_s) as (url, pid):
+        deadline = time.monotonic() + ready_timeout_s
+        async with aiohttp.ClientSession() as http:
+            while True:
+                async with http.get(f"{url}/readyz") as resp:
+                    ready = (await resp.json()).get("workers", {}).get("ready", 0)
+                if ready >= workers:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{ready} of {workers} cluster workers ready after {ready_timeout_s:.0f} s")
+                await asyncio.sleep(0.5)
+        yield url, pid

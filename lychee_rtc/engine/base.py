@@ -240,6 +240,10 @@ class SlotWindow:
 
 
 class StepBackend(Protocol):
+    """A backend's methods run on the engine's worker thread, one at a time; a backend whose steps
+    are trivially cheap may say ``steps_inline = True`` (a class attribute) to have them run on the
+    event loop instead (the loopback engine)."""
+
     capabilities: EngineCapabilities
 
     def open_slot(self, slot: int, options: SessionOptions) -> None:

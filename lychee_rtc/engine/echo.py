@@ -237,6 +237,8 @@ class EchoBackend:
 class LoopbackBackend:
     """Returns each input window immediately as output audio, for latency measurement."""
 
+    steps_inline = True  # a step is a copy: the scheduler runs it on the event loop (engine/scheduler.py)
+
     def __init__(self, settings: EchoSettings, max_sessions: int) -> None:
         self.capabilities = EngineCapabilities(
             name="loopback",

@@ -167,6 +167,9 @@ class Engine:
         self.max_pending_windows = max_pending_windows
         self.on_timing = on_timing
         self._slots: list[EngineSlot | None] = [None] * self.capabilities.max_sessions
+        # A backend whose step is a copy (loopback) runs on the event loop: for 20 ms windows the hop
+        # to the worker thread and back cost more than the step.
+        self._inline = bool(getattr(backend, "steps_inline", False))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -229,6 +232,8 @@ class Engine:
     # --- the loop --------------------------------------------------------------------------------
 
     async def _run(self, fn, *args):
+        if self._inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _work(self, controls: list[tuple[int, list[Control]]], windows: list[SlotWindow]):

@@ -8,12 +8,12 @@ leaves, when it counts as heard, what a cut must also flush) stays in the transp
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from lychee_rtc.aio import Signal
 from lychee_rtc.media.audio_processing import AudioProcessingStage
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
 from lychee_rtc.session.sink import CutReport
@@ -52,7 +52,7 @@ class EpochSink:
         self.playout = playout
         self.counters = counters
         self.sent_tap: SentAudioTap | None = None
-        self._audio_arrived = asyncio.Event()  # set on every accepted write: the sender may go on
+        self._audio_arrived = Signal()  # set on every accepted write: the sender may go on
         self._chunk_samples = 0  # the last accepted write, at the output rate
         self._standing: tuple[int, int] | None = None  # (samples sent, least excess) in this window
         # The session's uplink processing: told what left for the caller, as it leaves (its echo reference).

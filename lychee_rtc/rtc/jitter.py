@@ -120,14 +120,17 @@ class _ReceiverAdapter:
     """Stands in for aiortc's buffer inside an RTCRtpReceiver.
 
     aiortc's receiver decodes at most the one frame ``add`` returns; after a loss we may release
-    several, so frames go straight into the receiver's decoder queue (with the receiver's own
-    timestamp mapping) and ``add`` reports none. A timer gives up on a missing packet when no
+    several, so ``add`` reports none and the frames go on from here: to ``decode`` (the call's
+    ``InlineDecoder``, on the event loop) when given, else into the receiver's decoder queue, with
+    the receiver's own timestamp mapping either way. A timer gives up on a missing packet when no
     further packet arrives (a talk spurt ending just after a loss).
     """
 
-    def __init__(self, receiver, buffer: LowLatencyJitterBuffer) -> None:
+    def __init__(self, receiver, buffer: LowLatencyJitterBuffer,
+                 decode: Callable[[object, bytes, int], None] | None = None) -> None:
         self.buffer = buffer
         self._receiver = receiver
+        self._inline = decode
         self.capacity = MAX_HELD
         self._timer: asyncio.TimerHandle | None = None
         self._payload_type: int | None = None
@@ -135,7 +138,8 @@ class _ReceiverAdapter:
     def add(self, packet: RtpPacket) -> tuple[bool, None]:
         self._payload_type = packet.payload_type
         self._decode(self.buffer.add(packet))
-        self._arm_timer()
+        if self.buffer.waiting:
+            self._arm_timer()
         return False, None
 
     def _arm_timer(self) -> None:
@@ -158,11 +162,19 @@ class _ReceiverAdapter:
         mapper = r._RTCRtpReceiver__timestamp_mapper
         for frame in frames:
             frame.timestamp = mapper.map(frame.timestamp)
-            r._RTCRtpReceiver__decoder_queue.put((codec, frame))
+            if self._inline is not None:
+                self._inline(codec, frame.data, frame.timestamp)
+            else:
+                r._RTCRtpReceiver__decoder_queue.put((codec, frame))
 
 
-def install_jitter_buffer(pc, track, settings: RtcSettings) -> LowLatencyJitterBuffer | None:
-    """Replace aiortc's audio jitter buffer for ``track`` unless configured to keep it."""
+def install_jitter_buffer(pc, track, settings: RtcSettings,
+                          decode: Callable[[object, bytes, int], None] | None = None) -> LowLatencyJitterBuffer | None:
+    """Replace aiortc's audio jitter buffer for ``track`` unless configured to keep it.
+
+    ``decode(codec, payload, timestamp)``: decodes each released packet on the event loop instead of
+    aiortc's decoder thread (which then gets nothing, and the track no frames). Returns None where
+    aiortc's buffer stays; then so does its decoder thread, and ``decode`` is not used."""
     if settings.jitter_buffer != "lowlatency":
         return None
     for transceiver in pc.getTransceivers():
@@ -173,6 +185,6 @@ def install_jitter_buffer(pc, track, settings: RtcSettings) -> LowLatencyJitterB
                 log.warning("aiortc's receiver lacks %s; keeping its own jitter buffer", ", ".join(missing))
                 return None
             buffer = LowLatencyJitterBuffer(settings.jitter_target_ms / 1000.0)
-            receiver._RTCRtpReceiver__jitter_buffer = _ReceiverAdapter(receiver, buffer)
+            receiver._RTCRtpReceiver__jitter_buffer = _ReceiverAdapter(receiver, buffer, decode)
             return buffer
     return None

@@ -26,7 +26,8 @@ from lychee_rtc.rtc.call import TASK_END_S, RtcCall, abandon
 from lychee_rtc.rtc.codec_threads import limit_codec_threads
 from lychee_rtc.rtc.consent import install_consent_freshness
 from lychee_rtc.rtc.dtmf import MIME_TYPE as TELEPHONE_EVENT, enable_telephone_event, install_dtmf_tap
-from lychee_rtc.rtc.inbound import consume_audio, drain
+from lychee_rtc.rtc.inbound import InboundAudio, InlineDecoder, consume_audio, drain
+from lychee_rtc.rtc.inline_encoder import install_inline_encoding
 from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
 from lychee_rtc.rtc.packet_time import EncoderHints, with_ptime
@@ -148,6 +149,7 @@ class RtcNegotiator:
         # negotiation (aiortc picks the common codecs while applying the remote description).
         transceiver = pc.addTransceiver(track, direction="sendrecv")
         transceiver.setCodecPreferences(self._codec_preferences())
+        install_inline_encoding(transceiver.sender, track)
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
             self._guard_data_channel(call)
@@ -199,6 +201,7 @@ class RtcNegotiator:
         self._wire(call, call.pc)
         transceiver = call.pc.addTransceiver(track, direction="sendrecv")
         transceiver.setCodecPreferences(self._codec_preferences())
+        install_inline_encoding(transceiver.sender, track)
         try:
             await call.pc.setLocalDescription(await call.pc.createOffer())
         except BaseException:
@@ -319,8 +322,9 @@ class RtcNegotiator:
                 install_dtmf_tap(pc, track, lambda digit: session.push_dtmf(digit, "rfc4733"))
             if track.kind == "audio" and not call.has_audio:
                 call.has_audio = True
-                install_jitter_buffer(pc, track, self.settings.rtc)
-                task = consume_audio(track, session, call.inbound)
+                inbound = InboundAudio(session, call.inbound)
+                install_jitter_buffer(pc, track, self.settings.rtc, InlineDecoder(inbound))
+                task = consume_audio(track, session, call.inbound, inbound)
             else:
                 task = drain(track)
             call.tasks.append(asyncio.create_task(task, name=f"inbound-{session.id}-{track.kind}"))

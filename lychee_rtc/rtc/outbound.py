@@ -11,7 +11,6 @@ negotiated codec's clock (48 kHz for Opus, 8 kHz for G.711) so the encoder never
 from __future__ import annotations
 
 import asyncio
-import fractions
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +23,7 @@ from aiortc.mediastreams import MediaStreamError
 from lychee_rtc.aio import wait_event
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout
-from lychee_rtc.rtc.packet_time import EncoderHints
+from lychee_rtc.rtc.packet_time import EncoderHints, PcmFrame
 from lychee_rtc.rtc.send_phase import SendPhase
 
 FRAME_MS = 20  # the default; rtc.send_frame_ms picks 10 (each frame is one RTP packet)
@@ -112,6 +111,11 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
     # --- aiortc ----------------------------------------------------------------------------------
 
     async def recv(self) -> av.AudioFrame:
+        """The next frame as aiortc's encoders take it (where the sender does not encode inline)."""
+        return (await self.next_pcm()).to_av()
+
+    async def next_pcm(self) -> PcmFrame:
+        """The next frame, released on the send schedule, as 16-bit samples (``rtc/inline_encoder.py``)."""
         if self.readyState != "live":
             raise MediaStreamError
         now = self._clock()
@@ -168,7 +172,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
     def _send_offset(self) -> float:
         return self.send_phase.offset() if self.send_phase is not None else -self.live_lead_s
 
-    def _next_frame(self) -> av.AudioFrame:
+    def _next_frame(self) -> PcmFrame:
         first = self._frame_index == 0
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
@@ -185,10 +189,5 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         for mark in marks:  # a WebRTC frame counts as heard once it leaves: RTP has no playout receipts
             self.playout.notify(epoch, mark, offset)
         pcm16 = (np.clip(pcm, -1.0, 1.0) * 32767.0).astype(np.int16)
-        frame = av.AudioFrame.from_ndarray(pcm16[None, :], format="s16", layout="mono")
-        frame.sample_rate = self.out_rate
-        frame.pts = offset
-        frame.time_base = fractions.Fraction(1, self.out_rate)
-        if first and self.encoder_hints is not None:
-            frame.opaque = self.encoder_hints  # the encoder sets itself up from the first frame
-        return frame
+        # The encoder sets itself up from the first frame.
+        return PcmFrame(pcm16, offset, self.out_rate, self.encoder_hints if first else None)

@@ -16,9 +16,13 @@ on its first frame (``frame.opaque``), which the wrapped encoder reads when it s
 
 from __future__ import annotations
 
+import fractions
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import av
+import numpy as np
 
 from lychee_rtc.pcm import FrameResampler
 
@@ -31,6 +35,25 @@ class EncoderHints:
     """What a track asks of the encoder that packetizes it, riding on its first frame."""
 
     opus_application: str | None = None  # libopus: "voip", "audio" or "lowdelay"
+
+
+@dataclass(frozen=True)
+class PcmFrame:
+    """One frame of the paced track: 16-bit mono samples from stream position ``pts`` at ``rate``."""
+
+    pcm: np.ndarray
+    pts: int
+    rate: int
+    hints: EncoderHints | None = None  # on the first frame only
+
+    def to_av(self) -> av.AudioFrame:
+        frame = av.AudioFrame.from_ndarray(self.pcm[None, :], format="s16", layout="mono")
+        frame.sample_rate = self.rate
+        frame.pts = self.pts
+        frame.time_base = fractions.Fraction(1, self.rate)
+        if self.hints is not None:
+            frame.opaque = self.hints
+        return frame
 
 
 class TrackFramedEncoder:

@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 LATENCY_S = 0.25
 # An Ogg page (27 bytes and a lacing byte a packet) every 50 ms: 4.6 kbit/s on the 32 of the audio.
 PAGE_S = 0.05
-WAKE_S = 0.05  # the writer looks at the clock at least this often, items or not
 # Items taken off the queue before writing out: the backlog first, so none of it arrives late.
 DRAIN_ITEMS = 500
+POLL_S = 0.05  # how often the thread takes what the loop queued and looks at the clock (well within LATENCY_S)
 FRAME = RATE // 50  # Opus's 20 ms: written out in whole frames
 # Encoded in blocks of this many frames (40 ms): each block shifts the placement buffer once.
 BLOCK_FRAMES = 2
@@ -105,8 +105,11 @@ class RecordingWriter(threading.Thread):
         try:
             self._open()
             while True:
+                # Sleep, then take what came: a writer blocked in get() is woken by every item the
+                # loop puts (100 a second per call), each wake-up a thread switch and a GIL hand-off
+                # that cost the event loop more than the tap itself.
+                time.sleep(POLL_S)
                 try:
-                    self._handle(self.queue.get(timeout=WAKE_S))
                     for _ in range(DRAIN_ITEMS):
                         self._handle(self.queue.get_nowait())
                 except queue.Empty:
