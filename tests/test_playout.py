@@ -51,10 +51,13 @@ async def test_track_paces_continuous_frames_and_cut_drops_stale_writes():
 
 async def test_g711_rate():
     track = PacedAudioTrack(in_rate=24000)
-    track.set_output_rate(8000)
+    track.use_codec("PCMU", 8000)
+    assert track.out_rate == 8000 and track.codec_delay_s == 0.0  # G.711 codes each sample alone
     track.write(0, "a", tone(2400))
     frame = await track.recv()
     assert frame.sample_rate == 8000 and frame.samples == 160
+    track.use_codec("opus", 48000)  # too late to change the clock once a frame is out
+    assert track.out_rate == 8000 and track.codec_delay_s > 0
     track.stop()
 
 

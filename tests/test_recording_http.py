@@ -252,7 +252,13 @@ async def test_an_openai_call_asks_for_its_recording_with_the_lychee_rtc_extensi
             assert_ga_events_valid(client.events)
         finally:
             await client.close()
-        lines = (tmp_path / call_id / "events.jsonl").read_text().splitlines()
+        # The sidecar is complete once the recording is: the writer takes what the call queued a
+        # poll later, and the call ends after its client goes.
+        folder = tmp_path / call_id
+        await wait_until(lambda: (folder / "meta.json").exists()
+                         and json.loads((folder / "meta.json").read_text())["status"] == "complete",
+                         60, "the recording to be finished")
+        lines = (folder / "events.jsonl").read_text().splitlines()
         assert [json.loads(line)["type"] for line in lines[:2]] == ["recording.started", "session.created"]
 
     # A profile that keeps recording to itself refuses the request before a call is made.
