@@ -15,10 +15,12 @@ from telephony_support import EventStream, carrier, spec
 from test_openai_realtime import AUTH, KEY, open_call
 from test_telephony import phone_server
 
+from lychee_rtc.bench.aec import CALLER_WAV, FIXTURES, at_level, read_wav
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
-from lychee_rtc.media.audio_processing import MAX_REFERENCE_S, AudioProcessingStage
+from lychee_rtc.media.audio_processing import (MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage,
+                                              caller_onset)
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
 
@@ -53,6 +55,51 @@ def test_the_stage_removes_a_room_echo_of_what_the_transport_sent():
     # never taken for the caller talking over it.
     assert stage.counters.cancelled_frames > stage.counters.frames - 0.5 * RATE // FRAME
     assert stage.counters.double_talk_frames == 0
+    assert stage.counters.onset_frames == 0 and len(stage.take_revision()) == 0
+    stage.close()
+
+
+def test_the_callers_onset_is_where_the_cancellers_output_rose_over_its_floor():
+    floor, caller = 1e-6, 1e-4
+    assert caller_onset([floor, 1.1 * floor, floor, 3 * floor, 10 * floor, caller, caller]) == 3
+    assert caller_onset([caller, caller]) == 2  # nothing to stand over: no onset to reach back to
+    assert caller_onset([caller, floor]) == 2  # the last frame was not the caller
+    assert caller_onset([]) == 0
+
+
+def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
+    agent = agent_speech(6.0)
+    delay = int(0.12 * RATE)
+    echo = np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)  # another voice, as loud as the echo
+    barge = 4 * RATE
+    mic = echo.copy()
+    mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
+    heard = np.zeros(0, np.float32)
+    revised_at, onset_frames = None, 0
+    for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):
+        stage.far_end(agent[i:i + 2 * FRAME], RATE)
+        out = stage.process(mic[i:i + 2 * FRAME])
+        revision = stage.take_revision()
+        assert len(revision) <= ONSET_LOOKBACK_FRAMES * FRAME
+        if len(revision):  # as the session's window clock applies it
+            if revised_at is None:  # the barge-in (later ones: the caller goes on after a pause)
+                revised_at, onset_frames = len(heard), stage.counters.onset_frames
+            heard[len(heard) - len(revision):] = revision
+        heard = np.concatenate([heard, out])
+    assert stage.counters.double_talk_frames > 0 and revised_at is not None
+    assert barge < revised_at < barge + 0.3 * RATE, "double talk found within 300 ms of the barge-in"
+    # The frames reached back to are the line as it was (caller and echo), not AEC3's suppressed
+    # output, and they begin after the caller did: the echo alone before is not handed on again.
+    first = revised_at - onset_frames * FRAME
+    assert first >= barge
+    lag = 128  # the canceller's own, which the line without it is delayed by
+    span = slice(first + FRAME, revised_at)
+    assert onset_frames >= 3, "the caller's first frames, which AEC3 took down, are handed on again"
+    level = 10 * np.log10(np.mean(heard[span] ** 2) / np.mean(mic[span.start - lag:span.stop - lag] ** 2))
+    assert level > -3, f"the onset came {level:.1f} dB under the line"
     stage.close()
 
 

@@ -159,3 +159,28 @@ def test_stream_clock_waits_while_the_engine_still_has_the_sessions_input():
     assert clock.deadline() > 5.0
     busy["value"] = False
     assert len(clock.poll(clock.deadline())) == 1
+
+
+def test_revise_replaces_only_what_the_open_window_still_holds():
+    clock = WindowClock(W, RATE, grace_s=0.1)
+    out = clock.write(ramp(0, W + 1000), now=0.0)  # one window closed, 1000 samples in the open one
+    assert len(out) == 1
+    # A revision longer than the open window replaces what it holds, never what the engine has.
+    assert clock.revise(np.full(1500, 0.5, np.float32)) == 1000
+    assert clock.counters.revised_samples == 1000
+    assert clock.revise(np.zeros(0, np.float32)) == 0
+    out = clock.write(ramp(W + 1000, W - 1000), now=0.0)
+    assert len(out) == 1
+    np.testing.assert_array_equal(out[0].samples[:1000], np.full(1000, 0.5, np.float32))
+    np.testing.assert_array_equal(out[0].samples[1000:], ramp(W + 1000, W - 1000))
+    # Nothing in the open window: nothing to revise.
+    assert clock.revise(np.ones(10, np.float32)) == 0
+
+
+def test_revise_does_nothing_where_the_last_samples_did_not_reach_the_open_window():
+    clock = WindowClock(W, RATE, grace_s=0.1)
+    clock.write(ramp(0, 3200), now=0.0)
+    clock.hold(0.1)
+    assert clock.revise(np.ones(100, np.float32)) == 0
+    clock.release(0.2)
+    assert clock.revise(np.ones(100, np.float32)) == 100

@@ -3,7 +3,8 @@ the uplink processing, with and without the agent's echo on the line.
 
 Offline and deterministic: the session's own processing stage (``media/audio_processing.py``) and the
 echo engine's own VAD (``engine/echo.py``, fed its 400 ms windows) are driven as a call drives them,
-20 ms at a time. The agent speaks from 1 s on (the espeak-ng recordings of ``bench aec``); each frame
+20 ms at a time (the stage's revisions of the window not yet heard applied as the session's window clock
+applies them). The agent speaks from 1 s on (the espeak-ng recordings of ``bench aec``); each frame
 leaves for the caller at the leg's rate (8 kHz phone, 48 kHz WebRTC) and, on a line with echo, comes
 back through the simulated office of ``bench/speakerphone.py`` ``--delay-ms`` later at ``--echo-db``
 against the caller, with pink noise at ``--snr-db``. The caller ("Wait, stop, stop please…", another
@@ -115,7 +116,13 @@ def run_once(settings: AudioProcessing | None, leg_rate: int, echo_db: float | N
             path.hear(play)
             echo = path.take(FRAME)
         mic = near[pos:pos + FRAME] + echo + noise[pos:pos + FRAME]
-        window = np.concatenate([window, stage.process(mic) if stage is not None else mic])
+        heard = stage.process(mic) if stage is not None else mic
+        if stage is not None:  # as the session's window clock takes it: the open window is revised
+            revision = stage.take_revision()
+            n = min(len(revision), len(window))
+            if n:
+                window[len(window) - n:] = revision[len(revision) - n:]
+        window = np.concatenate([window, heard])
         while len(window) >= WINDOW_SAMPLES:
             w, window = window[:WINDOW_SAMPLES], window[WINDOW_SAMPLES:]
             for ev in engine.step([SlotWindow(0, w, seq, epoch)])[0]:

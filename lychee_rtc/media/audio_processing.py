@@ -29,7 +29,9 @@ over the agent, so on a line without echo (most phone calls: handsets and mobile
 it came seconds late or never. The canceller therefore always runs, fed as above, but the engine
 hears its output only while ``media/echo_presence.py`` finds the agent's voice coming back; until
 then it hears the same stages without the canceller, delayed to match the canceller's own 8 ms so
-that switching over does not move the uplink.
+that switching over does not move the uplink. Where the caller is found talking over the echo,
+the engine hears the line as it is, from where they began (``take_revision``: the session puts those
+frames back into the window the engine has not heard yet, docs/echo.md).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ DOUBLE_TALK_OVER_NOISE = 30.0  # ... nor one less than 15 dB over the line's noi
 DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last second
 NOISE_WINDOW_FRAMES = 200
 DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the caller was last found
+# Double talk is confirmed frames after the caller began, while AEC3 was still taking them down: at
+# confirmation the engine is handed the line as it was from where the caller began, as far back as
+# this. Where they began: the frames running up to confirmation in which AEC3's output stood
+# ONSET_OVER_FLOOR over the least it let through in the look-back (its echo alone, the line's noise).
+ONSET_LOOKBACK_FRAMES = 16
+ONSET_OVER_FLOOR = 10 ** (3 / 10)
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -101,6 +109,7 @@ class ProcessingCounters:
     reference_cut_s: float = 0.0  # far end taken back at interruptions (never reached the caller)
     cancelled_frames: int = 0  # ... of the frames, those the engine heard through the echo canceller
     double_talk_frames: int = 0  # frames where the caller was found talking over the echo
+    onset_frames: int = 0  # frames handed on again as the line was: the caller had begun in them
 
 
 class AudioProcessingStage:
@@ -130,6 +139,10 @@ class AudioProcessingStage:
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
+        # The last frames handed on: the line without the canceller and AEC3's output level (onset).
+        self._recent: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=ONSET_LOOKBACK_FRAMES)
+        self._revision = np.zeros(0, np.float32)  # replaces the end of what was handed on before
+        self._pending_onset: np.ndarray | None = None  # ... as found in the frame just processed
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
         self._reference = np.zeros(0, np.float32)  # far end not yet given to the canceller
         self._depths: deque[int] = deque(maxlen=LEAD_WINDOW_FRAMES)  # queue depth at recent frames
@@ -153,6 +166,8 @@ class AudioProcessingStage:
         self._plain, self._presence, self._cancelling = None, None, False
         self._first_sound, self._leaking, self._talk_left = None, 0, 0
         self._levels.clear()
+        self._recent.clear()
+        self._revision, self._pending_onset = np.zeros(0, np.float32), None
         if settings.active:
             frame_cls, module = _load_module()
             self._apm = _module(module, settings)
@@ -229,14 +244,29 @@ class AudioProcessingStage:
         if self._apm is None or len(held) == 0:
             return held
         padded = np.pad(held, (0, self.frame - len(held)))
-        return self._process_frame(padded)[:len(held)]
+        out = self._process_frame(padded)[:len(held)]
+        if self._pending_onset is not None:  # it precedes this frame: all of it is a revision
+            self._revision, self._pending_onset = self._pending_onset, None
+        return out
 
     def _process_frames(self, data: np.ndarray) -> np.ndarray:
         """``data``: a whole number of 10 ms frames."""
         out = np.empty(len(data), np.float32)
         for i in range(0, len(data), self.frame):
             out[i:i + self.frame] = self._process_frame(data[i:i + self.frame])
+            if self._pending_onset is not None:
+                back, self._pending_onset = self._pending_onset, None
+                inside = min(len(back), i)  # what of it this call's output still holds
+                if inside:
+                    out[i - inside:i] = back[len(back) - inside:]
+                self._revision = back[:len(back) - inside]
         return out
+
+    def take_revision(self) -> np.ndarray:
+        """Audio that replaces the end of what ``process`` returned before the last call (empty if none):
+        where double talk was confirmed, the line as it was from where the caller began."""
+        revision, self._revision = self._revision, np.zeros(0, np.float32)
+        return revision
 
     def _feed_reference(self) -> np.ndarray:
         """One 10 ms frame of the far end for each 10 ms of uplink (returned); silence if nothing left."""
@@ -282,14 +312,34 @@ class AudioProcessingStage:
         # agent's first sound), the line is not known: the canceller's output, so that an echo the
         # search has not found yet does not reach the engine whole. Then only where it was found.
         settling = self._first_sound is not None and self.counters.frames - self._first_sound < SETTLE_FRAMES
-        echo = (found or settling) and not self._caller_over_echo(plain, cancelled)
+        talking = (found or settling) and self._caller_over_echo(plain, cancelled)
+        echo = (found or settling) and not talking
         was, self._cancelling = self._cancelling, echo
         if echo:
             self.counters.cancelled_frames += 1
         if was == echo:
-            return cancelled if echo else plain
-        ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
-        return (cancelled * ramp + plain * (1 - ramp)) if echo else (plain * ramp + cancelled * (1 - ramp))
+            out = cancelled if echo else plain
+        elif talking and self._recent:
+            out = plain  # the switch goes back to where the caller began
+            self._pending_onset = self._from_onset()
+        else:
+            ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
+            out = (cancelled * ramp + plain * (1 - ramp)) if echo else (plain * ramp + cancelled * (1 - ramp))
+        self._recent.append((plain, out, float(np.mean(np.square(cancelled)))))
+        return out
+
+    def _from_onset(self) -> np.ndarray:
+        """Double talk just confirmed: the frames handed on since the caller began (see
+        ``caller_onset``) as the line was, crossfaded in over the first of them."""
+        recent = list(self._recent)
+        first = caller_onset([level for _, _, level in recent])
+        if first == len(recent):
+            return np.zeros(0, np.float32)
+        ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
+        plain, handed, _ = recent[first]
+        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
+        self.counters.onset_frames += len(frames)
+        return np.concatenate(frames)
 
     def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
@@ -314,6 +364,20 @@ class AudioProcessingStage:
         elif self._talk_left:
             self._talk_left -= 1
         return self._talk_left > 0
+
+
+def caller_onset(levels: list[float]) -> int:
+    """Where the caller began, given AEC3's output level (mean square) in the frames before double talk
+    was confirmed, oldest first: the first of the frames running up to the last in which the output
+    stood ``ONSET_OVER_FLOOR`` over the least of them (the echo alone and the noise, as AEC3 leaves
+    them); ``len(levels)`` where the last frame did not."""
+    if not levels:
+        return 0
+    above = min(levels) * ONSET_OVER_FLOOR
+    first = len(levels)
+    while first > 0 and levels[first - 1] > max(above, DOUBLE_TALK_FLOOR * 1e-3):
+        first -= 1
+    return first
 
 
 def _module(module: Any, settings: AudioProcessing) -> Any:

@@ -36,6 +36,7 @@ class ClockCounters:
     silence_samples: int = 0  # samples filled at deadlines
     gap_samples: int = 0  # samples the uplink reported lost (filled with silence in place)
     late_samples: int = 0  # samples that arrived after their window had closed
+    revised_samples: int = 0  # samples of the open window replaced by the uplink's processing
     anchor_shift_s: float = 0.0  # net movement of the deadlines to follow the uplink
 
 
@@ -159,6 +160,20 @@ class WindowClock:
             return out + self._fill_silence(count)
         fill = np.asarray(fill, dtype=np.float32)[n - count:]
         return out + self._fill(np.pad(fill, (0, max(0, count - len(fill))))[:count])
+
+    def revise(self, samples: np.ndarray) -> int:
+        """Replace the end of what was written with ``samples``, as far as the open window holds it (the
+        engine has not heard it yet): the uplink's processing found, after the fact, that those samples
+        should have been handed on otherwise. Returns how many were replaced; nothing where the last
+        samples written did not go to the open window as written (late, or after a hold)."""
+        cursor = self._seq * self.window_samples + self._filled
+        if self._held_at is not None or self._received != cursor:
+            return 0
+        n = min(len(samples), self._filled)
+        if n:
+            self._buf[self._filled - n:self._filled] = np.asarray(samples, dtype=np.float32)[len(samples) - n:]
+            self.counters.revised_samples += n
+        return n
 
     def poll(self, now: float) -> list[Window]:
         """Close every window whose deadline has passed, filling what is missing with silence."""

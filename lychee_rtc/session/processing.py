@@ -32,6 +32,10 @@ class UplinkProcessing(Protocol):
     def process(self, samples: np.ndarray) -> np.ndarray:
         """Uplink audio arrived: the processed audio ready so far (it may hold back < 10 ms)."""
 
+    def take_revision(self) -> np.ndarray:
+        """Audio that replaces the end of what ``process``/``process_gap`` returned before the last call
+        (empty if none): to go where the engine has not heard it yet, before that call's output."""
+
     def process_gap(self, fill: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lost uplink time, concealed by ``fill``: (audio held before it, the processed fill), each
         exactly as long as what came in, so the gap keeps its place on the uplink."""

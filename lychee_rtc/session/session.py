@@ -210,6 +210,7 @@ class DuplexSession(SessionInfo, OptionChanges, EngineEvents):
         self._record_caller(samples)  # what the caller sent, before the uplink's processing
         if self.processing is not None:
             samples = self.processing.process(samples)
+            self._revise_uplink()
         self.uplink.audio(samples, now)
 
     def push_gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
@@ -225,9 +226,18 @@ class DuplexSession(SessionInfo, OptionChanges, EngineEvents):
             self._record_caller(concealed)
         if processed:
             held, fill = self.processing.process_gap(concealed)
+            self._revise_uplink()
             if len(held):
                 self.uplink.audio(held, now)
         self.uplink.gap(n, now, fill)
+
+    def _revise_uplink(self) -> None:
+        """What the processing took back of the audio it handed on before (the caller's first frames
+        over the echo, once it is sure they are the caller), where the engine has not heard it yet."""
+        assert self.processing is not None
+        revision = self.processing.take_revision()
+        if len(revision):
+            self.uplink.revise(revision)
 
     def _record_caller(self, samples: np.ndarray) -> None:
         """The recording's caller tap: concealed audio as it enters, before anything processes it."""

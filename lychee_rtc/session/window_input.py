@@ -32,6 +32,10 @@ class WindowInput:
         now = self._arrived(now)
         self._hand_on(self.clock.write(samples, now))
 
+    def revise(self, samples: np.ndarray) -> None:
+        """Replace the end of what was written, where the engine has not had it yet (``WindowClock.revise``)."""
+        self.clock.revise(samples)
+
     def gap(self, n: int, now: float | None = None, fill: np.ndarray | None = None) -> None:
         now = self._arrived(now)
         self._hand_on(self.clock.gap(n, now, fill))
