@@ -106,6 +106,17 @@ class RunnerSettings:
     cuda_graphs: str = "auto"  # auto: captured on CUDA, eager elsewhere; on: CUDA required; off: eager
 
 
+def slide_policy(tokenizer: Tokenizer, settings: RunnerSettings, max_sessions: int) -> tuple[SlidePolicy, list[int]]:
+    """The rolling-context policy of a runner with these settings, and its default system prefix
+    (the sink the sizes are derived for); a session's own instructions may be up to a quarter of
+    ``max_seq``."""
+    prefix = tokenizer.encode(SYSTEM_TEMPLATE.format(instructions=DEFAULT_INSTRUCTIONS))
+    policy = SlidePolicy.build(settings.max_seq, settings.context_window, settings.context_slide_step,
+                               settings.context_prefill_budget, len(prefix), max(len(prefix), settings.max_seq // 4),
+                               max_sessions)
+    return policy, prefix
+
+
 class LycheeRunner:
     """The slots of one engine and its batched window step (implements :class:`~.slot.SlotDevice`)."""
 
@@ -125,9 +136,7 @@ class LycheeRunner:
         if settings.max_seq < self.prefix_len + 4 * CHUNK:
             raise ValueError(f"max_seq {settings.max_seq} leaves no room after the {self.prefix_len}-token prefix")
         self.max_post = settings.max_seq - self.prefix_len
-        self.policy = SlidePolicy.build(settings.max_seq, settings.context_window, settings.context_slide_step,
-                                        settings.context_prefill_budget, self.prefix_len, self.max_prefix,
-                                        max_sessions)
+        self.policy, _ = slide_policy(tokenizer, settings, max_sessions)
         # One row per slot plus a scratch row that padding rows of a bucket may write (graphs.py),
         # and with sliding on one staging row per slot after those (slide.py).
         self.scratch = max_sessions
