@@ -174,6 +174,7 @@ class Slider:
         are staged, and the switch copies only what is staged).
         """
         model = self.model
+        pieces = sorted(pieces, key=lambda p: p.row)
         n = max(p.hi - p.lo for p in pieces)
         far = max(p.hi for p in pieces)
         # channels: text, stoken, control, next text, conversation (0/1), feature index, position, cache row
@@ -212,7 +213,11 @@ class Slider:
         both = model.embed_channels(text, stoken, control, audio)
         x = torch.where(conv_mask.bool()[..., None], both, e(text))
         key_len = int(host[6].max()) + 1  # keys up to the furthest position: the rest of the row is never read
-        model.forward_positions(x, e(nxt), model.context(pos, rows[:, 0], key_len=key_len))
+        first = pieces[0].row
+        # Consecutive staging rows (slots side by side, or one slot) are read as a view, not gathered.
+        consecutive = [p.row for p in pieces] == list(range(first, first + len(pieces)))
+        where = slice(first, first + len(pieces)) if consecutive else rows[:, 0]
+        model.forward_positions(x, e(nxt), model.context(pos, where, key_len=key_len))
         for p in pieces:
             p.job.staged = p.hi
 
