@@ -64,6 +64,16 @@ def test_pace_spreads_the_backlog_and_catches_up_before_the_reserve():
                 assert known == 10
         assert max(staged_per_step) - min(staged_per_step[:-3] or [0]) <= max(11, known)  # level, no burst
     assert pace(500, 0) == pace(500, -3) == 500  # late: all it knows
+    # Pieces of at least the steady rate: a slide that only keeps up waits until it has that many.
+    known, pieces = 0, []
+    for left in range(60, 0, -1):
+        known += 10
+        g = pace(known, left, least=41)
+        assert g == 0 or g >= 41 or left <= 3
+        known -= g
+        pieces.append(g)
+    assert known == 0 and sum(1 for g in pieces if g) <= 60 // 4 + 3
+    assert pace(30, 40, least=41) == 0 and pace(45, 40, least=41) == 41 and pace(4000, 40, least=41) == 115
 
 
 def test_share_goes_to_the_nearest_slide_point_first_within_the_budget():
@@ -127,7 +137,7 @@ def simulate(policy: SlidePolicy, prefixes: list[int], opened: list[int], slides
                 jobs[i].rewind(decided[i] - 1)
         claims = [Claim(i, jobs[i].steps_left(decided[i]), jobs[i].target(decided[i], decided[i] - 1) - jobs[i].staged)
                   for i in live]
-        grants = share(claims, policy.budget)
+        grants = share(claims, policy.budget, least=policy.rate)
         most = max(most, sum(grants))
         for i, g in zip(live, grants):
             jobs[i].staged += g

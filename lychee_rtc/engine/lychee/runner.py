@@ -336,7 +336,7 @@ class LycheeRunner:
         active = [(s, self.slides[s.index]) for s in states if s.index in self.slides]
         claims = [Claim(s.index, job.steps_left(len(s.text)), max(0, job.target(len(s.text), s.fed) - job.staged))
                   for s, job in active]
-        grants = share(claims, self.policy.budget)
+        grants = share(claims, self.policy.budget, least=self.policy.rate)
         pieces = [Piece(job, s.index, self.staging_row(s.index), job.staged + g, s.text, s.stoken, s.control)
                   for (s, job), g in zip(active, grants) if g]
         stats.positions, stats.pieces = sum(grants), len(pieces)

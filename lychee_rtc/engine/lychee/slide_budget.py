@@ -9,6 +9,9 @@ step can be checked exhaustively in tests.
   It aims to have caught up with its live slot ``RESERVE_STEPS`` window steps before the slide
   point, spreading the backlog and the growth until then evenly over the steps left, so a slide
   costs about the same small share of every step from one slide to the next instead of a burst.
+  A piece is never smaller than ``least`` positions (the slide's steady rate) before that point: a
+  slide that only keeps up with its slot (ten positions a step) waits until it has that many, so
+  a forward's fixed cost (weights read, kernels launched) is paid once per ``least`` positions.
 * **Share.** The slides take their pace in order of their slide points, earliest first (earliest
   deadline first); the budget caps the step's sum whatever the number of slides in progress. A
   slide that fell behind (the budget went to a nearer one) has a larger pace in the next step.
@@ -37,23 +40,27 @@ class Claim:
     known: int  # positions whose inputs are known and are not staged yet
 
 
-def pace(known: int, steps_left: int, reserve: int = RESERVE_STEPS) -> int:
+def pace(known: int, steps_left: int, reserve: int = RESERVE_STEPS, least: int = 0) -> int:
     """Positions to stage in this step: the backlog ``known`` plus the ten positions each later
     step brings, spread over the steps until ``reserve`` steps before the slide point (all of the
-    backlog once there, or late)."""
+    backlog once there, or late); before that, ``least`` at least, or nothing while fewer are known."""
     k = max(1, steps_left - reserve)
-    if k == 1 or known <= CHUNK:
+    if k == 1:
         return max(0, known)
-    return min(known, -(-(known + CHUNK * (k - 1)) // k))
+    g = known if known <= CHUNK else min(known, -(-(known + CHUNK * (k - 1)) // k))
+    if g < least:
+        return least if known >= least else 0
+    return g
 
 
-def share(claims: Sequence[Claim], budget: int) -> list[int]:
-    """Each claim's grant for this step, in the claims' order: paces taken earliest slide point
-    first (then by slot, for determinism), their sum capped at ``budget``."""
+def share(claims: Sequence[Claim], budget: int, least: int = 0) -> list[int]:
+    """Each claim's grant for this step, in the claims' order: paces (pieces of ``least`` at
+    least) taken earliest slide point first (then by slot, for determinism), their sum capped at
+    ``budget``."""
     grants = [0] * len(claims)
     left = budget
     for i in sorted(range(len(claims)), key=lambda i: (claims[i].steps_left, claims[i].slot)):
-        grants[i] = min(pace(claims[i].known, claims[i].steps_left), left)
+        grants[i] = min(pace(claims[i].known, claims[i].steps_left, least=least), left)
         left -= grants[i]
     return grants
 
