@@ -6,12 +6,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TINY ?= checkpoints/lychee-tiny
+# The agent frameworks the realtime WebSocket tests drive, each in an environment of its own
+# (tests/clients/<name>.txt): their pins conflict with the project's (docs/testing.md).
+CLIENT_VENVS ?= .venv-clients
+CLIENTS := pipecat livekit
+VLLM_OMNI := vllm-omni==0.30.0
 
 # Passed to the server only when given (`make serve PORT=9000`); otherwise the profile and the
 # LYCHEE_RTC_* environment variables decide.
 SERVE_FLAGS = $(if $(CONFIG),--config $(CONFIG)) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
-.PHONY: serve tiny test install install-model install-test telephony clean
+.PHONY: serve tiny test install install-model install-test install-clients telephony clean
 
 # The default install: the server and the echo engine, no PyTorch.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -37,9 +42,24 @@ $(VENV)/.installed-test: $(VENV)/.installed-model
 	$(PIP) install --quiet --progress-bar off -e '.[test]'
 	@touch $@
 
+# One environment per framework, exactly as locked; and vLLM-Omni's package without its
+# dependencies (it needs vLLM and a GPU to import; its duplex client module needs neither, and the
+# test loads that module alone from here).
+$(CLIENT_VENVS)/%/.installed: tests/clients/%.txt
+	@scripts/make-venv $(PYTHON) $(CLIENT_VENVS)/$*
+	@echo "installing $* for the framework tests"
+	$(CLIENT_VENVS)/$*/bin/python -m pip install --quiet --progress-bar off --disable-pip-version-check -r $<
+	@touch $@
+
+$(CLIENT_VENVS)/vllm-omni/.installed: $(VENV)/.installed-test
+	$(PIP) install --quiet --progress-bar off --no-deps --target $(CLIENT_VENVS)/vllm-omni $(VLLM_OMNI)
+	@touch $@
+
+install-clients: $(foreach c,$(CLIENTS),$(CLIENT_VENVS)/$(c)/.installed) $(CLIENT_VENVS)/vllm-omni/.installed
+
 install: $(VENV)/.installed
 install-model: $(VENV)/.installed-model
-install-test: $(VENV)/.installed-test
+install-test: $(VENV)/.installed-test install-clients
 
 serve: install
 	$(VENV)/bin/lychee-rtc serve $(SERVE_FLAGS)
@@ -58,7 +78,7 @@ telephony: install
 
 # -rs: every skip says why. Under CI=true a skip fails the run instead (CUDA-only tests excepted).
 test: install-test
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	CLIENT_VENVS=$(abspath $(CLIENT_VENVS)) $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build
+	rm -rf $(VENV) $(CLIENT_VENVS) .pytest_cache build

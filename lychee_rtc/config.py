@@ -14,20 +14,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from lychee_rtc.config_base import ConfigError
+from lychee_rtc.config_base import Section as _Section
+from lychee_rtc.config_transports import TelephonySettings, WebSocketSettings
 from lychee_rtc.resources import shared_path, shipped_profile
+
+__all__ = ["ConfigError", "Settings", "TelephonySettings", "WebSocketSettings", "load_settings"]
 
 ENV_PREFIX = "LYCHEE_RTC_"
 DEFAULT_PROFILE = shared_path("configs") / "echo.yaml"
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the offending key."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class IceServer(_Section):
@@ -142,6 +139,9 @@ class AudioProcessingSettings(_Section):
     whip: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))
     sip: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))  # the SIP gateway's legs
     carrier: AudioProcessing = Field(default_factory=lambda: AudioProcessing(**_PHONE_LEG))  # media streams
+    # Audio in WebSocket events (the OpenAI Realtime and vLLM-Omni dialects): the application
+    # captured and cleaned it; when the listener hears the answer is not known here.
+    websocket: AudioProcessing = Field(default_factory=AudioProcessing)
 
     def for_ingress(self, ingress: str) -> AudioProcessing:
         return getattr(self, ingress)
@@ -167,65 +167,6 @@ class EngineSettings(_Section):
     echo: EchoSettings = Field(default_factory=EchoSettings)
     # Backend-specific settings for the lychee engine, validated by that backend when it loads.
     lychee: dict[str, Any] = Field(default_factory=dict)
-
-
-class TwilioSettings(_Section):
-    # The account's auth token: key of the X-Twilio-Signature HMAC over the stream URL.
-    auth_token: str | None = None
-
-
-class TelnyxSettings(_Section):
-    # Compared with the streaming auth-token header Telnyx sends.
-    token: str | None = None
-
-
-class PlivoSettings(_Section):
-    # Plivo can only pass extraHeaders (in its start frame): the token is the value of this key.
-    token: str | None = None
-    header: str = Field("token", pattern=r"^[A-Za-z0-9]+$")
-
-
-class ExotelSettings(_Section):
-    # Basic auth, as in wss://<username>:<password>@host/... in the Voicebot applet.
-    username: str | None = None
-    password: str | None = None
-
-
-class VonageSettings(_Section):
-    # Bearer token, sent by the NCCO websocket endpoint's authorization header.
-    token: str | None = None
-
-
-class TelephonySettings(_Section):
-    """Carrier media streams on /v1/telephony/ws. A carrier with no credentials here is refused."""
-
-    enabled: bool = True
-    # The scheme and host carriers dial (e.g. wss://bot.example.com): Twilio signs the URL it was
-    # given, which a proxy in front of the server may rewrite. Unset: rebuilt from the request.
-    public_url: str | None = Field(None, pattern=r"^wss?://[^/?#]+$")
-    # Audio sent ahead of real time when a response starts: the carrier's cushion against jitter.
-    lead_ms: int = Field(100, ge=0, le=1000)
-    # Audio sent but not yet confirmed played by the carrier's marks never exceeds this.
-    max_ahead_ms: int = Field(1000, ge=100, le=10000)
-    # A mark (playout receipt) after this much outbound audio; 20 = every frame.
-    mark_interval_ms: int = Field(20, ge=20, le=2000)
-    # A carrier that echoes no mark this long after its audio was due is taken not to echo marks.
-    mark_timeout_s: float = Field(5.0, gt=0, le=60)
-    # A connection must authenticate and start its stream within this long.
-    start_timeout_s: float = Field(10.0, gt=0, le=120)
-    # Malformed frames tolerated per call (each reported as an error event) before it is closed.
-    max_bad_frames: int = Field(20, ge=1, le=10000)
-    twilio: TwilioSettings = Field(default_factory=TwilioSettings)
-    telnyx: TelnyxSettings = Field(default_factory=TelnyxSettings)
-    plivo: PlivoSettings = Field(default_factory=PlivoSettings)
-    exotel: ExotelSettings = Field(default_factory=ExotelSettings)
-    vonage: VonageSettings = Field(default_factory=VonageSettings)
-
-    @model_validator(mode="after")
-    def _exotel_pair(self) -> "TelephonySettings":
-        if (self.exotel.username is None) != (self.exotel.password is None):
-            raise ValueError("telephony.exotel needs both username and password")
-        return self
 
 
 class MetricsSettings(_Section):
@@ -358,6 +299,7 @@ class Settings(_Section):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     telephony: TelephonySettings = Field(default_factory=TelephonySettings)
+    websocket: WebSocketSettings = Field(default_factory=WebSocketSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     recording: RecordingSettings = Field(default_factory=RecordingSettings)
 

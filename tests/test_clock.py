@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from lychee_rtc.session.clock import WindowClock
 
@@ -117,3 +118,44 @@ async def test_the_media_timeout_runs_from_the_end_of_a_hold():
     now[0] = 160.0  # a minute on hold with nothing sent (a=inactive)
     uplink.release()
     assert uplink.last_audio_at == 160.0
+
+
+# --- StreamClock: a socket's uplink, without timestamps ------------------------------------------------
+
+
+def test_stream_clock_cuts_windows_as_fast_as_samples_come():
+    from lychee_rtc.session.clock import StreamClock
+
+    clock = StreamClock(6400, 16000, grace_s=0.12)
+    windows = clock.write(np.ones(6400 * 10, np.float32), now=0.0)  # ten windows' worth at once
+    assert [w.seq for w in windows] == list(range(10)) and all(w.silence_filled == 0 for w in windows)
+    assert clock.counters.underruns == 0 and clock.counters.late_samples == 0
+
+
+def test_stream_clock_fills_silence_only_when_the_rest_of_a_window_is_overdue_and_then_in_real_time():
+    from lychee_rtc.session.clock import StreamClock
+
+    clock = StreamClock(6400, 16000, grace_s=0.12)
+    assert clock.write(np.ones(1600, np.float32), now=10.0) == []  # 100 ms of a 400 ms window
+    # The other 300 ms would have come by 10.3 s in real time; with the grace, 10.42 s.
+    assert clock.deadline() == pytest.approx(10.42)
+    assert clock.poll(10.41) == []
+    (filled,) = clock.poll(10.42)
+    assert filled.silence_filled == 4800 and np.all(filled.samples[:1600] == 1) and np.all(filled.samples[1600:] == 0)
+    # Silence goes on a window at a time, in real time.
+    assert clock.poll(10.81) == [] and len(clock.poll(10.82)) == 1
+    # The client speaks again: nothing is late, its samples start the open window.
+    windows = clock.write(np.full(6400, 0.5, np.float32), now=11.0)
+    assert len(windows) == 1 and windows[0].silence_filled == 0 and clock.counters.late_samples == 0
+
+
+def test_stream_clock_waits_while_the_engine_still_has_the_sessions_input():
+    from lychee_rtc.session.clock import StreamClock
+
+    busy = {"value": True}
+    clock = StreamClock(6400, 16000, grace_s=0.12, busy=lambda: busy["value"])
+    clock.write(np.ones(100, np.float32), now=0.0)
+    assert clock.poll(5.0) == []  # overdue, but input is only waiting: nothing is filled
+    assert clock.deadline() > 5.0
+    busy["value"] = False
+    assert len(clock.poll(clock.deadline())) == 1

@@ -721,3 +721,30 @@ async def test_a_lost_node_is_detected_its_calls_end_and_its_worker_returns_when
         await audio_flows(a)
     finally:
         await close_all(a, b, *late)
+
+
+async def test_realtime_websockets_through_the_entry_are_placed_and_relayed(entry: Entry):
+    """A session on a WebSocket (the ``openai`` SDK's ``realtime.connect`` with the entry as its base
+    URL and a key minted there) is placed on a worker like an offer; its audio passes through the
+    entry both ways (the workers run the loopback engine: what is appended comes back)."""
+    by_id = await settled(entry)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(entry.url + SECRETS, json={"session": {"type": "realtime"}}, headers=ADMIN) as r:
+            key = (await r.json())["value"]
+    openai = AsyncOpenAI(api_key=key, base_url=f"{entry.url}/v1", max_retries=0)
+    noise = (0.1 * np.random.default_rng(3).standard_normal(24000)).astype("<f4")
+    chunk = (np.clip(noise, -1, 1) * 32767).astype("<i2").tobytes()
+    try:
+        async with openai.realtime.connect(model="gpt-realtime") as conn:
+            created = json.loads(await conn.recv_bytes())
+            assert created["type"] == "session.created" and worker_of(created["session"]["id"]) in by_id
+            import base64
+            for i in range(0, len(chunk), 1920):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(chunk[i:i + 1920]).decode())
+            back = 0
+            while back < len(chunk) // 2:
+                event = json.loads(await asyncio.wait_for(conn.recv_bytes(), 30))
+                if event["type"] == "response.output_audio.delta":
+                    back += len(base64.b64decode(event["delta"])) // 2
+    finally:
+        await openai.close()

@@ -14,7 +14,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("lychee_rtc.cli", "lychee_rtc.__main__")),
     ("benches and cluster", ("lychee_rtc.bench", "lychee_rtc.cluster")),
     ("HTTP edge", ("lychee_rtc.server",)),
-    ("transports", ("lychee_rtc.gateway", "lychee_rtc.telephony", "lychee_rtc.rtc")),
+    ("transports", ("lychee_rtc.gateway", "lychee_rtc.telephony", "lychee_rtc.rtc", "lychee_rtc.ws")),
     ("call registry", ("lychee_rtc.calls",)),
     ("transport-neutral audio", ("lychee_rtc.media",)),
     ("session", ("lychee_rtc.session",)),

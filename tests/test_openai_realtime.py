@@ -144,22 +144,30 @@ async def test_candidate_less_offer_connects_and_speaks_the_ga_dialect(utterance
             item_done = [e for e in client.events_of("conversation.item.done") if e["item"]["role"] == "assistant"]
             assert item_done and item_done[0]["previous_item_id"] == user_item["item"]["id"]
 
-            # Refused and malformed client events get GA errors, and the call goes on.
-            client.send({"type": "conversation.item.create", "event_id": "c1",
-                         "item": {"type": "message", "role": "user", "content": []}})
+            # What SDKs send routinely is answered without an error: a text item is echoed into the
+            # conversation record (the model, which takes speech only, does not hear it) and a
+            # cancel that comes after its response ended is already done. Refused and malformed
+            # client events get GA errors echoing their event_id, and the call goes on.
+            client.send({"type": "conversation.item.create", "event_id": "ok1",
+                         "item": {"id": "item_text1", "type": "message", "role": "user",
+                                  "content": [{"type": "input_text", "text": "hi"}]}})
+            echoed = await wait_until(lambda: next((e for e in client.events_of("conversation.item.added")
+                                                     if e["item"]["id"] == "item_text1"), None), 10, "the echo")
+            assert echoed["lychee_rtc"] == {"heard_by_model": False}
+            assert echoed["item"]["content"] == [{"type": "input_text", "text": "hi"}]
+            client.send({"type": "response.cancel", "event_id": "ok2"})
+            client.send({"type": "conversation.item.truncate", "event_id": "c1", "item_id": "item_nowhere",
+                         "content_index": 0, "audio_end_ms": 10})
             client.send({"type": "session.update", "event_id": "c2", "session": {"type": "transcription"}})
             client.send({"type": "session.update", "event_id": "c3", "session": {"instructions": 5}})
-            client.send({"type": "response.cancel", "event_id": "c4"})
+            client.send({"type": "conversation.item.retrieve", "event_id": "c4", "item_id": "item_nowhere"})
             client.send({"type": "conversation.item.retrieve", "item_id": user_item["item"]["id"]})
             retrieved = await client.wait_event("conversation.item.retrieved", timeout=10)
             assert retrieved["item"] == user_item["item"]
-            for _ in range(100):
-                if len(client.events_of("error")) >= 4:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: len(client.events_of("error")) >= 4, 10, "four errors")
             errors = {e["error"]["event_id"]: e["error"]["code"] for e in client.events_of("error")}
-            assert errors == {"c1": "unsupported_event", "c2": "unsupported_session_type",
-                              "c3": "invalid_event", "c4": "response_cancel_not_active"}
+            assert errors == {"c1": "item_truncate_invalid_item_id", "c2": "unsupported_session_type",
+                              "c3": "invalid_event", "c4": "item_retrieve_invalid_item_id"}
             bad = next(e for e in client.events_of("error") if e["error"]["event_id"] == "c3")
             assert "session/instructions" in bad["error"]["message"]
             assert_ga_events_valid(client.events)

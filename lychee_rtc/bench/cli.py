@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "aec": ("lychee_rtc.bench.aec", "echo cancellation and noise suppression on a simulated speakerphone: ERLE, distortion, CPU"),
     "recording": ("lychee_rtc.bench.recording", "CPU and disk per recorded call-minute (Ogg/Opus + sidecar)"),
     "e2e": ("lychee_rtc.bench.e2e", "N callers speaking recorded utterances through the server (lychee profile)"),
+    "websocket": ("lychee_rtc.bench.websocket", "the realtime WebSocket beside WebRTC: latency, CPU, capacity, throughput, vLLM-Omni's ttfp/RTF"),
     "long-call": ("lychee_rtc.bench.long_call", "long conversations on the Lychee-FD engine (tiny, CPU), faster than real time: memory, step time, slides"),
     "slide": ("lychee_rtc.bench.slide", "window step time around context slides and each slide's cost (tiny on CPU, full size on a GPU)"),
 }

@@ -96,9 +96,10 @@ class CallRegistry:
     def new_session(self, slot: EngineSlot, sink: AudioSink, options: SessionOptions,
                     metrics: bool = False, origin: dict[str, Any] | None = None,
                     session_id: str | None = None, ingress: str = "webrtc",
-                    processing: dict[str, bool] | None = None) -> DuplexSession:
+                    processing: dict[str, bool] | None = None, stream_input: bool = False) -> DuplexSession:
         """``session_id``: one promised before the call existed (``new_session_id``), else a new one.
-        ``ingress``: ``webrtc`` (a browser's offer), ``whip``, ``sip`` (the gateway) or ``carrier``;
+        ``ingress``: ``webrtc`` (a browser's offer), ``whip``, ``sip`` (the gateway), ``carrier`` or
+        ``websocket`` (audio in events: ``stream_input``, its samples are its clock);
         it picks the uplink processing the session starts with (``audio_processing`` settings), and
         ``processing`` changes it (ProcessingUnavailable if it asks for a stage that cannot run)."""
         caps = self.engine.capabilities
@@ -107,7 +108,7 @@ class CallRegistry:
             sink.attach_reference(stage)  # the transport tells it what the caller's loudspeaker played
         return DuplexSession(session_id or self.new_session_id(), self.settings.session, slot, sink,
                              engine_name=caps.name, observer=self.metrics, options=options, metrics_enabled=metrics,
-                             origin=origin, processing=stage)
+                             origin=origin, processing=stage, stream_input=stream_input)
 
     @staticmethod
     def processing_of(session: DuplexSession) -> AudioProcessingStage | None:

@@ -13,6 +13,8 @@
   own, on its own port (``/v1/cluster/workers/{id}/metrics`` reaches a worker's through the entry).
 * ``POST /v1/cluster/workers/{id}/drain`` is the rolling restart: the worker takes no new calls,
   ends after its calls or a deadline, and Ray starts a new process in its place.
+* WebSockets (a carrier's stream, a realtime socket, a sideband, a call's events) are relayed to a
+  worker: ``sockets.py``. Which worker a request names, and the refusals, are ``routing.py``'s.
 
 The entry holds no session state: any number of entries can front the same workers.
 """
@@ -22,55 +24,23 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from lychee_rtc import __version__
 from lychee_rtc.cluster.fleet import Fleet, NoPlacement
-from lychee_rtc.cluster.ids import worker_of
-from lychee_rtc.cluster.proxy import (WorkerFailed, WorkerUnreachable, forward, forward_download, open_websocket,
-                                      relay_websocket)
+from lychee_rtc.cluster.proxy import WorkerFailed, WorkerUnreachable, forward, forward_download
+from lychee_rtc.cluster.routing import (FLEET_KEY, admin_refusal, body_limit, from_holder, holder, no_placement,
+                                        read_body, target_of, unavailable, worker_holding)
+from lychee_rtc.cluster.sockets import place_websocket, realtime_socket, routed_websocket
 from lychee_rtc.cluster.registry import WorkerView
 from lychee_rtc.config import Settings
 from lychee_rtc.jsonio import JsonError, strict_json_loads
-from lychee_rtc.server import auth, http
+from lychee_rtc.server import http
 from lychee_rtc.server.app import SETTINGS_KEY, index, latency_page
 from lychee_rtc.server.openai import routes as realtime
 
-FLEET_KEY = web.AppKey("fleet", Fleet)
-
-
-def _unavailable(fleet: Fleet, code: str, message: str) -> web.Response:
-    return http.unavailable(code, message, fleet.settings.session.retry_after_s)
-
-
-def _body_limit(settings: Settings) -> int:
-    # A realtime call's multipart body holds a session part besides the SDP; the worker bounds each.
-    return settings.server.max_sdp_bytes + realtime.MAX_SESSION_PART_BYTES + 4096
-
-
-async def _read(request: web.Request) -> bytes:
-    """The request body as the client sent it, bounded: one too large is refused by the HTTP edge's
-    ``BodyError`` answer, and a client that hangs up mid-body is one log line."""
-    return await http.read_body(request, _body_limit(request.app[SETTINGS_KEY]))
-
-
-def _admin(request: web.Request) -> web.Response | None:
-    """The server key, where one is configured (what a single server's middleware asks of its routes)."""
-    if not auth.has_server_key(request, request.app[SETTINGS_KEY].server.auth_token):
-        return http.unauthorized()
-    return None
-
-
-def _server_key_only(request: web.Request) -> web.Response | None:
-    """A route a single server opens with the server key only (hangup, sideband): refused here as
-    there, before the entry says anything about the call."""
-    if (denied := _admin(request)) is not None:
-        return denied
-    return realtime.needs_server_key(request.app[SETTINGS_KEY])
 
 
 # --- new sessions ----------------------------------------------------------------------------------
@@ -85,16 +55,10 @@ def _is_full(response: web.Response) -> bool:
         return False
 
 
-def _no_placement(fleet: Fleet, refusal: NoPlacement) -> web.Response:
-    if refusal.status == 503:
-        return _unavailable(fleet, refusal.code, refusal.message)
-    return http.error_response(refusal.status, refusal.code, refusal.message)
-
-
 async def place(request: web.Request) -> web.Response:
     """An offer: to the least-loaded worker with room; the next one if it turns out full or gone."""
     fleet = request.app[FLEET_KEY]
-    body = await _read(request)
+    body = await read_body(request)
     if (resumed := _resumed_session(request, body)) is not None:
         # A resume re-attaches a session where it lives (its engine slot, its context): not placed.
         return await _forward_to_holder(request, body, (resumed, "session"))
@@ -107,14 +71,14 @@ async def place(request: web.Request) -> web.Response:
 
     placed = await fleet.on_a_worker(offer, _is_full, lambda response: response.status < 300)
     if isinstance(placed, NoPlacement):
-        return _no_placement(fleet, placed)
+        return no_placement(fleet, placed)
     return placed.answer
 
 
 async def any_worker(request: web.Request) -> web.Response:
     """A request that takes no slot and needs no session (minting a client key): to a ready worker."""
     fleet = request.app[FLEET_KEY]
-    body = await _read(request)
+    body = await read_body(request)
     tried: set[str] = set()
     while (view := fleet.registry.choose_any(tried)) is not None:
         tried.add(view.worker_id)
@@ -124,71 +88,10 @@ async def any_worker(request: web.Request) -> web.Response:
             fleet.registry.mark_down(view, str(exc))
         except WorkerFailed as exc:
             return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
-    return _unavailable(fleet, "no_worker_ready", "no worker is ready; retry later")
-
-
-async def place_websocket(request: web.Request) -> web.StreamResponse:
-    """A carrier's media stream starts a call: to the least-loaded worker, relayed both ways.
-
-    Unlike WebRTC media, a carrier's audio is in the WebSocket itself, so it passes through the entry.
-    The worker admits the call only when the carrier's start frame arrives, after the handshake, and
-    sends nothing before: the call counts as in flight until the worker's first frame (then, as any
-    placement, until a fresh report) or until the relay ends.
-    """
-    fleet = request.app[FLEET_KEY]
-
-    async def connect(view: WorkerView) -> aiohttp.ClientWebSocketResponse | web.Response:
-        return await open_websocket(fleet.http, view.url, request, fleet.settings.cluster.forward_timeout_s)
-
-    # A worker refuses a handshake in a restated form (the body does not survive the client
-    # library), so a refusal is passed on rather than read as "full".
-    placed = await fleet.on_a_worker(connect, lambda _: False, lambda upstream: not isinstance(upstream, web.Response),
-                                     settle_later=True)
-    if isinstance(placed, NoPlacement):
-        return _no_placement(fleet, placed)
-    if isinstance(placed.answer, web.Response):
-        return placed.answer
-    try:
-        return await relay_websocket(request, placed.answer, on_first_reply=placed.placement.taken)
-    finally:
-        placed.placement.released()  # never answered: not admitted, or gone already (no-op once taken)
+    return unavailable(fleet, "no_worker_ready", "no worker is ready; retry later")
 
 
 # --- follow-ups ------------------------------------------------------------------------------------
-
-
-def _target(request: web.Request) -> tuple[str, str]:
-    """The id a follow-up names and what the client calls it (a realtime call or a session)."""
-    if "call_id" in request.match_info:
-        return request.match_info["call_id"], "call"
-    if "session_id" in request.match_info:
-        return request.match_info["session_id"], "session"
-    return request.query.get("call_id", ""), "call"
-
-
-def _not_found(session_id: str, what: str, detail: str = "") -> web.Response:
-    message = f"no {what} {session_id!r}{detail}"
-    if what == "call":  # the OpenAI surface's own error, as a single server gives it
-        return realtime.error(404, "call_not_found", message, param="call_id")
-    return http.error_response(404, "session_not_found", message)
-
-
-def _worker_holding(request: web.Request, session_id: str) -> WorkerView | str:
-    """The worker that holds ``session_id``, or why there is none to ask (a detail for a 404)."""
-    view = request.app[FLEET_KEY].registry.workers.get(worker_of(session_id) or "")
-    if view is None:
-        return " (through the cluster entry, name a call by its session id)" \
-            if request.path.startswith("/v1/telephony/") else ""
-    if view.state in ("dead", "stopped") or view.url is None:
-        return f": its worker {view.worker_id} is {view.state}"
-    return view
-
-
-def _holder(request: web.Request, target: tuple[str, str] | None = None) -> WorkerView | web.Response:
-    """The worker that holds the session a follow-up names, or the 404 a single server would give."""
-    session_id, what = target or _target(request)
-    view = _worker_holding(request, session_id)
-    return _not_found(session_id, what, view) if isinstance(view, str) else view
 
 
 def _resumed_session(request: web.Request, body: bytes) -> str | None:
@@ -205,12 +108,12 @@ def _resumed_session(request: web.Request, body: bytes) -> str | None:
 
 async def routed(request: web.Request) -> web.Response:
     """A request about one session: to the worker whose id the session id carries."""
-    return await _forward_to_holder(request, await _read(request), _target(request))
+    return await _forward_to_holder(request, await read_body(request), target_of(request))
 
 
 async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[str, str]) -> web.Response:
     fleet = request.app[FLEET_KEY]
-    view = _holder(request, target)
+    view = holder(request, target)
     if isinstance(view, web.Response):
         return view
 
@@ -219,58 +122,14 @@ async def _forward_to_holder(request: web.Request, body: bytes, target: tuple[st
         response = await forward(fleet.http, view.url, request, body, fleet.timeout())
         fleet.metrics.forward_seconds.labels("follow_up").observe(time.monotonic() - started)
         return response
-    return await _from_holder(fleet, view, target[0], send)
-
-
-async def _from_holder(fleet: Fleet, view: WorkerView, session_id: str,
-                       send: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """``send()`` to the worker holding the session: one that cannot be reached is marked down and
-    answered 503; one that took the request and gave no complete answer, 502."""
-    try:
-        return await send()
-    except WorkerUnreachable as exc:
-        fleet.registry.mark_down(view, str(exc))
-        return _unavailable(fleet, "worker_unavailable",
-                            f"worker {view.worker_id} of session {session_id!r} cannot be reached; retry later")
-    except WorkerFailed as exc:
-        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
+    return await from_holder(fleet, view, target[0], send)
 
 
 async def routed_server_key(request: web.Request) -> web.Response:
     """A hang-up: the server key is checked first, as a single server does, then it is routed."""
-    if (denied := _admin(request)) is not None:
+    if (denied := admin_refusal(request)) is not None:
         return denied
     return await routed(request)
-
-
-async def sideband(request: web.Request) -> web.StreamResponse:
-    """The sideband WebSocket of a realtime call: relayed to the worker named in ``call_id``."""
-    if (denied := _server_key_only(request)) is not None:
-        return denied
-    if not request.query.get("call_id"):
-        return realtime.error(400, "missing_call_id", "the query parameter call_id is required", param="call_id")
-    return await routed_websocket(request)
-
-
-async def routed_websocket(request: web.Request) -> web.StreamResponse:
-    """A WebSocket about one session (a phone call's event stream, a realtime call's sideband): to
-    the worker in the session id."""
-    fleet = request.app[FLEET_KEY]
-    view = _holder(request)
-    if isinstance(view, web.Response):
-        return view
-    try:
-        upstream = await open_websocket(fleet.http, view.url, request, fleet.settings.cluster.forward_timeout_s)
-    except WorkerUnreachable as exc:
-        fleet.registry.mark_down(view, str(exc))
-        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} cannot be reached; retry later")
-    except WorkerFailed as exc:
-        return http.error_response(502, "worker_failed", f"worker {view.worker_id}: {exc}")
-    if isinstance(upstream, web.Response):
-        if upstream.status == 404:  # the session ended: say so as a single server does
-            return _not_found(*_target(request))
-        return upstream
-    return await relay_websocket(request, upstream)
 
 
 async def _from_every_worker(request: web.Request, key: str) -> list[dict[str, Any]] | web.Response:
@@ -313,13 +172,13 @@ async def routed_recording(request: web.Request) -> web.StreamResponse:
     as they arrive (a long call's recording is larger than any answer the entry holds whole)."""
     fleet = request.app[FLEET_KEY]
     session_id = request.match_info["session_id"]
-    view = _worker_holding(request, session_id)
+    view = worker_holding(request, session_id)
     if isinstance(view, str):
         return http.error_response(404, "recording_not_found", f"no recording of session {session_id!r}{view}")
     if request.method == "DELETE":
-        return await _from_holder(fleet, view, session_id,
+        return await from_holder(fleet, view, session_id,
                                   lambda: forward(fleet.http, view.url, request, b"", fleet.timeout()))
-    return await _from_holder(fleet, view, session_id,
+    return await from_holder(fleet, view, session_id,
                               lambda: forward_download(fleet.http, view.url, request, fleet.download_timeout()))
 
 
@@ -352,7 +211,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    if (denied := _admin(request)) is not None:
+    if (denied := admin_refusal(request)) is not None:
         return denied
     fleet = request.app[FLEET_KEY]
     return http.json_response({"workers": [v.describe() for v in fleet.registry.workers.values()],
@@ -368,13 +227,13 @@ def _worker_or_404(request: web.Request) -> WorkerView | web.Response:
 
 
 async def drain_worker(request: web.Request) -> web.Response:
-    if (denied := _admin(request)) is not None:
+    if (denied := admin_refusal(request)) is not None:
         return denied
     view = _worker_or_404(request)
     if isinstance(view, web.Response):
         return view
     fleet = request.app[FLEET_KEY]
-    raw = await _read(request)
+    raw = await read_body(request)
     try:
         options = strict_json_loads(raw) if raw.strip() else {}
     except JsonError as exc:
@@ -392,7 +251,7 @@ async def drain_worker(request: web.Request) -> web.Response:
     try:
         await fleet.drain(view, float(deadline), restart)
     except Exception as exc:  # the worker died under the request: the poller will say so
-        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id}: {type(exc).__name__}: {exc}")
+        return unavailable(fleet, "worker_unavailable", f"worker {view.worker_id}: {type(exc).__name__}: {exc}")
     return http.json_response(view.describe(), status=202)
 
 
@@ -402,11 +261,11 @@ async def worker_metrics(request: web.Request) -> web.Response:
         return view
     fleet = request.app[FLEET_KEY]
     if view.url is None or view.state in ("dead", "stopped"):
-        return _unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} is {view.state}")
+        return unavailable(fleet, "worker_unavailable", f"worker {view.worker_id} is {view.state}")
     try:
         return await forward(fleet.http, view.url, request, b"", fleet.timeout(), path_qs="/metrics")
     except (WorkerUnreachable, WorkerFailed) as exc:
-        return _unavailable(fleet, "worker_unavailable", str(exc))
+        return unavailable(fleet, "worker_unavailable", str(exc))
 
 
 # --- application -----------------------------------------------------------------------------------
@@ -415,7 +274,7 @@ async def worker_metrics(request: web.Request) -> web.Response:
 def create_entry_app(settings: Settings) -> web.Application:
     origins = settings.server.cors_origins  # forwarded answers keep the worker's CORS headers
     app = web.Application(middlewares=[http.edge_middleware(lambda request: origins)],
-                          client_max_size=_body_limit(settings))
+                          client_max_size=body_limit(settings))
     app[SETTINGS_KEY] = settings
     app[FLEET_KEY] = Fleet(settings)
 
@@ -433,7 +292,8 @@ def create_entry_app(settings: Settings) -> web.Application:
     app.router.add_post(realtime.CALLS_PATH, place)
     app.router.add_post(realtime.CALLS_PATH + "/{call_id}/hangup", routed_server_key)
     app.router.add_post("/v1/realtime/client_secrets", any_worker)
-    app.router.add_get("/v1/realtime", sideband)
+    app.router.add_get("/v1/realtime", realtime_socket)
+    app.router.add_get("/v1/duplex", realtime_socket)
     if settings.telephony.enabled:
         app.router.add_get("/v1/telephony/ws", place_websocket)
         app.router.add_get("/v1/telephony/ws/{provider}", place_websocket)

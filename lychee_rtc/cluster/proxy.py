@@ -135,7 +135,8 @@ async def _pump(source, sink, on_first: Callable[[], None] | None = None) -> Non
 
 
 async def open_websocket(http: aiohttp.ClientSession, base_url: str, request: web.Request,
-                         handshake_timeout_s: float) -> aiohttp.ClientWebSocketResponse | web.Response:
+                         handshake_timeout_s: float, max_msg_size: int = MAX_WS_MESSAGE_BYTES
+                         ) -> aiohttp.ClientWebSocketResponse | web.Response:
     """The worker's side of a WebSocket (or, when the worker refuses the handshake, its status)."""
     headers = CIMultiDict((k, v) for k, v in forward_headers(request).items() if k.lower() not in WS_HANDSHAKE)
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
@@ -143,7 +144,7 @@ async def open_websocket(http: aiohttp.ClientSession, base_url: str, request: we
     try:
         return await asyncio.wait_for(
             http.ws_connect(url, headers=headers, protocols=protocols, autoping=True,
-                            max_msg_size=MAX_WS_MESSAGE_BYTES), handshake_timeout_s)
+                            max_msg_size=max_msg_size), handshake_timeout_s)
     except CONNECT_TIMEOUT as exc:
         raise WorkerUnreachable(f"cannot connect to {base_url}: {exc}") from None
     except aiohttp.ClientConnectorError as exc:
@@ -171,13 +172,18 @@ def refused_handshake(exc: aiohttp.WSServerHandshakeError) -> web.Response:
 
 
 async def relay_websocket(request: web.Request, upstream: aiohttp.ClientWebSocketResponse,
-                          on_first_reply: Callable[[], None] | None = None) -> web.WebSocketResponse:
+                          on_first_reply: Callable[[], None] | None = None,
+                          downstream: web.WebSocketResponse | None = None,
+                          max_msg_size: int = MAX_WS_MESSAGE_BYTES) -> web.WebSocketResponse:
     """Frames both ways between the client and the worker until one side closes (its code passes on);
-    ``on_first_reply`` is called when the worker's first frame arrives."""
-    downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
-                                       max_msg_size=MAX_WS_MESSAGE_BYTES, autoping=True)
+    ``on_first_reply`` is called when the worker's first frame arrives. ``downstream``: the client's
+    socket when it was opened already (to read a first message that decides the worker)."""
+    if downstream is None:
+        downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
+                                           max_msg_size=max_msg_size, autoping=True)
     try:
-        await downstream.prepare(request)
+        if not downstream.prepared:
+            await downstream.prepare(request)
         pumps = {asyncio.ensure_future(_pump(downstream, upstream)),
                  asyncio.ensure_future(_pump(upstream, downstream, on_first_reply))}
         _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)

@@ -84,11 +84,33 @@ class EngineSlot:
         self._windows: deque[_Pending] = deque()
         self._controls: list[Control] = []
         self._max_pending = max_pending
+        # Set whenever the engine takes a window from this slot: a transport that feeds windows only
+        # while the slot has room (a socket's audio sent faster than real time) waits on it.
+        self._room = asyncio.Event()
         self.closed = False
 
     @property
     def capabilities(self) -> EngineCapabilities:
         return self._engine.capabilities
+
+    @property
+    def pending(self) -> int:
+        """Windows pushed and not yet taken by a step."""
+        return len(self._windows)
+
+    @property
+    def max_pending(self) -> int:
+        return self._max_pending
+
+    def has_room(self) -> bool:
+        """Whether one more window can be pushed without the oldest being dropped."""
+        return self.closed or len(self._windows) < self._max_pending
+
+    async def wait_room(self) -> None:
+        """Until ``has_room`` (or the slot closed)."""
+        while not self.has_room():
+            self._room.clear()
+            await self._room.wait()
 
     def push(self, window: np.ndarray, seq: int, epoch: int) -> None:
         if self.closed:
@@ -122,6 +144,7 @@ class EngineSlot:
         self.closed = True
         self._windows.clear()
         self._controls.clear()
+        self._room.set()
         await self._engine.release(self)
 
     # --- called by the engine loop ---------------------------------------------------------------
@@ -238,6 +261,7 @@ class Engine:
             controls, slot._controls = slot._controls, []
             if slot._windows:
                 p = slot._windows.popleft()
+                slot._room.set()
                 batch.append((slot, SlotWindow(slot.index, p.window, p.seq, p.epoch, tuple(controls)), p.pushed_at))
             elif controls:
                 controls_only.append((slot, controls))

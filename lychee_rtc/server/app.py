@@ -24,6 +24,7 @@ from lychee_rtc.rtc.trickle import add_remote_candidates
 from lychee_rtc.media.recording.store import RecordingStore
 from lychee_rtc.server import auth, http, recordings
 from lychee_rtc.server.auth import Policy
+from lychee_rtc.server.duplex.route import DuplexSockets
 from lychee_rtc.server.logs import install_http_log_filter
 from lychee_rtc.server.session_body import session_options
 from lychee_rtc.server.openai import routes as realtime
@@ -304,7 +305,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> web.Applicat
     app.router.add_post("/whip", whip_post)
     app.router.add_patch("/whip/{resource_id}", whip_patch)
     app.router.add_delete("/whip/{resource_id}", whip_delete)
-    realtime.install(app, settings, registry, rtc, profile)
+    surface = realtime.install(app, settings, registry, rtc, profile)
+    surface.duplex = DuplexSockets(settings, registry, profile, surface.sockets)
     sip_calls = None
     if settings.gateway.janus.enabled:
         from lychee_rtc.gateway.janus_sip import JanusSipGateway

@@ -17,6 +17,7 @@ grace period.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -75,6 +76,16 @@ class WindowClock:
             self._t0 += now - self._held_at
         self._received = self._seq * self.window_samples + self._filled
         self._held_at = None
+
+    @property
+    def position(self) -> int:
+        """Uplink samples taken so far: every closed window and the open one's."""
+        return self._seq * self.window_samples + self._filled
+
+    @property
+    def open_samples(self) -> int:
+        """Samples of the open window written so far."""
+        return self._filled
 
     @property
     def started(self) -> bool:
@@ -199,3 +210,87 @@ class WindowClock:
         self._filled = 0
         self.counters.windows += 1
         return window
+
+
+class StreamClock(WindowClock):
+    """The clock of an uplink without timestamps (a WebSocket's appended audio).
+
+    The input's own samples cut the windows, as fast as they arrive: a client sending a file faster
+    than real time is heard at the engine's pace. Wall time only stands in when the input stops: a
+    window is completed with silence when the rest of its samples are more than the grace late
+    (counted from the last sample, as if the client had gone on in real time), and windows of
+    silence then follow in real time, so the model keeps listening and its answer keeps flowing.
+    Nothing is filled while ``busy()`` (the engine still has this session's windows, or the
+    transport still holds input for it): then the input is not missing, only waiting. Samples that
+    come after a window was filled go on in the next one; without timestamps nothing is late.
+    """
+
+    def __init__(self, window_samples: int, sample_rate: int, grace_s: float,
+                 busy: Callable[[], bool] = lambda: False) -> None:
+        super().__init__(window_samples, sample_rate, grace_s)
+        self._busy = busy
+        self._due: float | None = None
+
+    def start(self, now: float) -> None:
+        if self._t0 is None:
+            self._t0 = now
+            self._due = now + self.window_s + self.grace_s
+
+    def time_of(self, sample: int) -> float | None:
+        return None  # no sample is due at a wall time here
+
+    def deadline(self, seq: int | None = None) -> float | None:
+        if self._due is None or self._held_at is not None:
+            return None
+        return self._due + (0 if seq is None else (seq - self._seq) * self.window_s)
+
+    def release(self, now: float) -> None:
+        held = self._held_at is not None
+        super().release(now)
+        if held and self._due is not None:
+            self._expect_rest(now)
+
+    def write(self, samples: np.ndarray, now: float) -> list[Window]:
+        if self._held_at is not None:
+            return []
+        self.start(now)
+        out = self.poll(now)
+        self._now = now
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        self._received = self._seq * self.window_samples + self._filled + len(samples)
+        out += self._fill(samples)
+        self._expect_rest(now)
+        return out
+
+    def gap(self, n: int, now: float, fill: np.ndarray | None = None) -> list[Window]:
+        if n <= 0 or self._held_at is not None:
+            return []
+        self.counters.gap_samples += n
+        samples = np.zeros(n, np.float32)
+        if fill is not None:
+            samples[:min(n, len(fill))] = np.asarray(fill, np.float32)[:n]
+        return self.write(samples, now)
+
+    def resync(self, now: float) -> list[Window]:
+        return self.poll(now)
+
+    def poll(self, now: float) -> list[Window]:
+        out: list[Window] = []
+        while self._due is not None and self._held_at is None and now >= self._due:
+            if self._busy():
+                self._expect_rest(now)  # the input is there, waiting for the engine: not missing
+                break
+            missing = self.window_samples - self._filled
+            self._buf[self._filled:] = 0.0
+            self.counters.underruns += 1
+            self.counters.silence_samples += missing
+            out.append(self._close(silence=missing))
+            self._due += self.window_s  # silence goes on in real time
+        return out
+
+    def _expect_rest(self, now: float) -> None:
+        """The open window is due when its missing samples would have come in real time, plus grace."""
+        self._due = now + (self.window_samples - self._filled) / self.sample_rate + self.grace_s
+
+    def _track_slack(self) -> None:
+        pass  # there is no anchor to follow

@@ -66,17 +66,17 @@ def server_event_types() -> list[str]:
     return sorted(k[len("server."):] for k in load_schema()["$defs"] if k.startswith("server."))
 
 
-def decode_event(raw: str | bytes) -> tuple[dict[str, Any], str]:
+def decode_event(raw: str | bytes, limit: int = MAX_MESSAGE_BYTES) -> tuple[dict[str, Any], str]:
     """A message as a JSON object with a string ``type`` (any dialect); returns it and the type."""
     if isinstance(raw, bytes):
-        if len(raw) > MAX_MESSAGE_BYTES:
-            raise ProtocolError("message_too_large", f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        if len(raw) > limit:
+            raise ProtocolError("message_too_large", f"message of {len(raw)} bytes exceeds {limit}")
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError("invalid_json", "binary message is not UTF-8 JSON") from None
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError("message_too_large", f"message of {len(raw)} characters exceeds {MAX_MESSAGE_BYTES}")
+    if len(raw) > limit:
+        raise ProtocolError("message_too_large", f"message of {len(raw)} characters exceeds {limit}")
     try:
         data = strict_json_loads(raw)
     except JsonError as exc:

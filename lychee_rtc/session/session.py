@@ -6,7 +6,8 @@ reports playout marks back. Clients reach the session through a dialect (``sessi
 the OpenAI one in the server), which turns their messages into the typed controls below and writes
 the session's ``events`` (``session/event_stream.py``) in its own vocabulary. Everything here runs
 on one event loop, which is what makes the interrupt sequence (docs/architecture.md, "Epochs")
-atomic.
+atomic. Three parts live in modules of their own: what the session says about itself
+(``info.py``), its option changes (``options.py``) and the engine's events (``engine_events.py``).
 """
 
 from __future__ import annotations
@@ -14,21 +15,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 
-from lychee_rtc.config import AudioProcessing, SessionSettings
-from lychee_rtc.engine.base import (AudioChunk, BargeIn, CodecTokens, Control, ControlKind, DTMF_DIGITS,
-                                    EngineError, EngineEvent, ResponseDone, ResponseStarted, SessionOptions,
-                                    SpeechStarted, SpeechStopped, TextDelta, TurnState, WindowTiming)
+from lychee_rtc.config import SessionSettings
+from lychee_rtc.engine.base import DTMF_DIGITS, Control, ControlKind, SessionOptions, WindowTiming
 from lychee_rtc.engine.scheduler import EngineSlot
-from lychee_rtc.session.clock import Window, WindowClock
+from lychee_rtc.session.clock import StreamClock, Window, WindowClock
+from lychee_rtc.session.engine_events import EngineEvents
 from lychee_rtc.session.event_stream import EventChannel, EventStream
+from lychee_rtc.session.info import SessionInfo
 from lychee_rtc.session.message_rate import MessageRate
 from lychee_rtc.session.observer import SessionCounters, SessionObserver
-from lychee_rtc.session.processing import ProcessingUnavailable, UplinkProcessing
+from lychee_rtc.session.options import InstructionsEffect, OptionChanges
+from lychee_rtc.session.processing import UplinkProcessing
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError, error_body
 from lychee_rtc.session.recording import RecordingControl
 from lychee_rtc.session.responses import Responses
@@ -37,15 +38,10 @@ from lychee_rtc.session.window_input import WindowInput
 
 log = logging.getLogger(__name__)
 
-RESPONSE_SCOPED = (ResponseStarted, TextDelta, CodecTokens, AudioChunk, ResponseDone, BargeIn, TurnState)
+__all__ = ["DuplexSession", "InstructionsEffect"]
 
 
-# What a change of instructions did: nothing new; prefilled as the system prompt before the model
-# first spoke; kept for the model's next context reset (mid-conversation); or not used by this engine.
-InstructionsEffect = Literal["unchanged", "applied", "next_context_reset", "unused"]
-
-
-class DuplexSession:
+class DuplexSession(SessionInfo, OptionChanges, EngineEvents):
     def __init__(
         self,
         session_id: str,
@@ -60,7 +56,10 @@ class DuplexSession:
         metrics_enabled: bool = False,
         origin: dict[str, Any] | None = None,
         processing: UplinkProcessing | None = None,
+        stream_input: bool = False,
     ) -> None:
+        """``stream_input``: the uplink has no timestamps (a WebSocket's appended audio); its own
+        samples drive the window clock (``StreamClock``) instead of wall-clock deadlines."""
         caps = slot.capabilities
         self.id = session_id
         self.settings = settings
@@ -83,7 +82,13 @@ class DuplexSession:
         self.processing = processing
         self.created_at = clock()
         self.counters = SessionCounters()
-        self.window_clock = WindowClock(caps.window_samples, caps.input_rate, settings.window_grace_ms / 1000.0)
+        grace = settings.window_grace_ms / 1000.0
+        # Input a transport holds back until the engine has room for it (see ``wait_input_room``).
+        self.input_waiting: Callable[[], bool] = lambda: False
+        self.window_clock: WindowClock = (
+            StreamClock(caps.window_samples, caps.input_rate, grace,
+                        busy=lambda: self.slot.pending > 0 or self.input_waiting())
+            if stream_input else WindowClock(caps.window_samples, caps.input_rate, grace))
         self.uplink = WindowInput(self.window_clock, self._push_window, clock)
         self.closed = False
         self.close_reason: str | None = None
@@ -102,6 +107,8 @@ class DuplexSession:
         self.on_hold = False  # a phone call put on hold: the engine hears nothing and says nothing
         # The call's recording, when the server records (calls.recording); None: it never can.
         self.recording: RecordingControl | None = None
+        # Told of every window the engine stepped (a dialect reporting the model's decisions by them).
+        self.window_listeners: list[Callable[[WindowTiming], None]] = []
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -149,52 +156,6 @@ class DuplexSession:
                 if asyncio.iscoroutine(result):
                     await result
 
-    def describe(self) -> dict[str, Any]:
-        caps = self.capabilities
-        return {
-            "id": self.id,
-            "epoch": self.epoch,
-            "engine": self.engine_name,
-            "voice": self.options.voice,
-            "temperature": self.options.temperature,
-            "seed": self.options.seed,
-            "instructions": self.options.instructions,
-            "metrics": self.metrics_enabled,
-            "input_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.input_rate,
-                                   "window_samples": caps.window_samples},
-            "output_audio_format": {"encoding": "pcm_f32le", "sample_rate": caps.output_rate},
-            "capabilities": {k: v for k, v in asdict(caps).items() if k != "name"},
-            **({"origin": self.origin} if self.origin else {}),
-            **({"audio_processing": self.processing.describe()} if self.processing is not None else {}),
-            **({"recording": self.recording.state()} if self.recording is not None else {}),
-        }
-
-    def snapshot(self) -> dict[str, Any]:
-        """State and counters for GET /v1/sessions."""
-        clock = self.window_clock.counters
-        slot = self.slot.counters
-        return {
-            "session_id": self.id,
-            **({"origin": self.origin} if self.origin else {}),
-            "state": self.state,
-            "epoch": self.epoch,
-            "engine": self.engine_name,
-            **({"audio_processing": self.processing.describe()} if self.processing is not None else {}),
-            "active_response": self.responses.active,
-            "age_s": round(self.clock() - self.created_at, 3),
-            **({"recording": self.recording.snapshot()} if self.recording is not None else {}),
-            "counters": {
-                **asdict(self.counters),
-                **asdict(self.events.counters),
-                **{f"window_{k}": v for k, v in asdict(clock).items()},
-                "engine_windows_in": slot.windows_in,
-                "engine_windows_stepped": slot.windows_stepped,
-                "engine_windows_dropped": slot.windows_dropped,
-                "responses": self.responses.ledger.total,
-                "playout_depth_ms": round(self.sink.depth_ms, 1),
-            },
-        }
-
     # --- losing and resuming the transport ----------------------------------------------------------
 
     def suspend(self, reason: str) -> None:
@@ -226,6 +187,15 @@ class DuplexSession:
     @property
     def last_audio_at(self) -> float | None:
         return self.uplink.last_audio_at
+
+    def has_input_room(self) -> bool:
+        """Whether the engine takes another window of this session's input now, without dropping one."""
+        return self.slot.has_room()
+
+    async def wait_input_room(self) -> None:
+        """Until ``has_input_room``: a transport with input to spare (audio sent faster than real
+        time) feeds it at the engine's pace instead of letting the slot drop windows."""
+        await self.slot.wait_room()
 
     def push_audio(self, samples: np.ndarray, now: float | None = None) -> None:
         if self.closed:
@@ -384,56 +354,6 @@ class DuplexSession:
         if self._close_task is None:  # one teardown, however many times the client asks
             self._begin_close(reason)
 
-    def update(self, fields: dict[str, Any], event_id: str | None = None) -> InstructionsEffect:
-        """Apply validated option changes (keys of the ``session_config`` schema) and answer with
-        ``session.updated``."""
-        voice = fields.get("voice", self.options.voice)
-        voices = self.capabilities.voices
-        if voice is not None and voices and voice not in voices:
-            raise ProtocolError("invalid_voice", f"voice {voice!r} is not one of {list(voices)}", event_id)
-        if voice is not None and not voices:
-            raise ProtocolError("invalid_voice", f"engine {self.engine_name!r} has no selectable voices", event_id)
-        if "audio_processing" in fields:  # first: refused, it changes nothing else either
-            self._configure_processing(fields["audio_processing"], event_id)
-        if "recording" in fields:
-            if self.recording is None:
-                raise ProtocolError("recording_unavailable", "this server does not record calls", event_id)
-            self.recording.set_recording(bool(fields["recording"]), event_id)
-        effect: InstructionsEffect = "unchanged"
-        changes = {k: fields[k] for k in ("voice", "temperature", "seed", "instructions") if k in fields}
-        if "instructions" in changes and changes["instructions"] != self.options.instructions:
-            if not self.capabilities.instructions:
-                effect = "unused"
-            elif self.responses.ledger.total == 0:
-                effect = "applied"
-            else:
-                effect = "next_context_reset"
-        self.options = replace(self.options, **changes)
-        if "metrics" in fields:
-            self.metrics_enabled = bool(fields["metrics"])
-        if effect == "applied":
-            # Before the model first spoke: a fresh conversation under the new system prompt. The
-            # epoch fences any response the engine may have begun before it sees the restart.
-            self.epoch += 1
-            self.sink.cut(self.epoch)
-            self.slot.control(Control(ControlKind.CANCEL, self.epoch))
-            self.slot.control(Control(ControlKind.RESTART, self.epoch, self.options))
-        self.slot.control(Control(ControlKind.UPDATE, self.epoch, self.options))
-        self.emit("session.updated", session=self.describe(), instructions_effect=effect)
-        return effect
-
-    def _configure_processing(self, changes: dict[str, bool], event_id: str | None) -> None:
-        if self.processing is None:
-            raise ProtocolError("audio_processing_unavailable",
-                                f"engine {self.engine_name!r} has no uplink processing at its rate", event_id)
-        wanted = AudioProcessing(**{**self.processing.settings.model_dump(), **changes})
-        try:
-            held = self.processing.configure(wanted)
-        except ProcessingUnavailable as exc:
-            raise ProtocolError("audio_processing_unavailable", str(exc), event_id) from None
-        if len(held):
-            self.uplink.audio(held)
-
     # --- interruption ------------------------------------------------------------------------------
 
     def interrupt(self, reason: str, speech_sample: int | None = None) -> bool:
@@ -480,76 +400,3 @@ class DuplexSession:
             self._deferred_listen = None
             self._set_state("held" if self.held else "listening", reason, probabilities)
 
-    # --- engine events -----------------------------------------------------------------------------
-
-    async def _engine_events(self) -> None:
-        while True:
-            event = await self.slot.events.get()
-            if event is None:
-                return
-            try:
-                self._on_engine_event(event)
-            except Exception:
-                log.exception("session %s: failed to handle %s", self.id, type(event).__name__)
-
-    def _on_engine_event(self, ev: EngineEvent) -> None:
-        if isinstance(ev, RESPONSE_SCOPED) and ev.epoch < self.epoch:
-            self.counters.stale_engine_events += 1
-            if isinstance(ev, AudioChunk):
-                self.counters.stale_audio_chunks += 1
-                self.observer.stale_chunk()
-            return
-        if isinstance(ev, AudioChunk):
-            self.responses.audio_arrived(ev.response_id)
-            if not self.sink.write(ev.epoch, ev.response_id, ev.pcm):
-                self.counters.stale_audio_chunks += 1
-                self.observer.stale_chunk()
-        elif isinstance(ev, ResponseStarted):
-            self.responses.start(ev.response_id, ev.epoch)
-        elif isinstance(ev, TextDelta):
-            self.emit("response.output_audio_transcript.delta", epoch=ev.epoch, response_id=ev.response_id,
-                      delta=ev.text, token_ids=list(ev.token_ids))
-        elif isinstance(ev, CodecTokens):
-            self.emit("response.output_audio_codes.delta", epoch=ev.epoch, response_id=ev.response_id,
-                      codes=list(ev.codes), vocoder=False,
-                      note="this engine runs without a vocoder: speech codes only, no audio is sent")
-        elif isinstance(ev, ResponseDone):
-            # The response is done for the client when its last sample has played (sink reports it).
-            if self.responses.generation_done(ev.response_id, ev.status, ev.reason):
-                self.sink.end_response(ev.epoch, ev.response_id)
-        elif isinstance(ev, BargeIn):
-            if ev.response_id == self.responses.active:
-                self.interrupt(ev.reason)
-        elif isinstance(ev, TurnState):
-            if self.held:
-                return
-            if ev.state == "listening" and self.responses.active is not None:
-                # The engine is done generating but its audio is still playing: the client hears the
-                # agent speak until the last sample, so "listening" waits for the playout to end.
-                self._deferred_listen = (ev.reason, ev.probabilities)
-                return
-            self._deferred_listen = None
-            self._set_state(ev.state, ev.reason, ev.probabilities)
-        elif isinstance(ev, SpeechStarted):
-            self.emit("input_audio_buffer.speech_started", epoch=self.epoch,
-                      audio_start_ms=1000.0 * ev.sample / self.capabilities.input_rate)
-            if self.settings.vad_barge_in and self.responses.active is not None:
-                self.interrupt("barge_in", speech_sample=ev.sample)
-        elif isinstance(ev, SpeechStopped):
-            self.emit("input_audio_buffer.speech_stopped", epoch=self.epoch,
-                      audio_end_ms=1000.0 * ev.sample / self.capabilities.input_rate)
-        elif isinstance(ev, WindowTiming):
-            self.observer.window_timing(ev)
-            if self.metrics_enabled:
-                extra = {}
-                if self.responses.first_audio_ms is not None:
-                    extra["time_to_first_audio_ms"] = round(self.responses.first_audio_ms, 3)
-                    self.responses.first_audio_ms = None
-                self.emit("metrics", window_seq=ev.window_seq, queue_wait_ms=round(ev.queue_wait_ms, 3),
-                          step_ms=round(ev.step_ms, 3), vocoder_ms=round(ev.vocoder_ms, 3),
-                          batch_size=ev.batch_size,
-                          deadline_ms=1000.0 * self.capabilities.window_samples / self.capabilities.input_rate,
-                          playout_depth_ms=round(self.sink.depth_ms, 1), **extra)
-        elif isinstance(ev, EngineError):
-            self.report_error(ProtocolError(ev.code, ev.message, None,
-                                      "invalid_request_error" if ev.code.startswith("input_") else "server_error"))

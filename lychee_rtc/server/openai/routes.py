@@ -11,6 +11,8 @@
   tokens, so any process with the same server key verifies them (see ``client_secrets``).
 * ``GET /v1/realtime?call_id=…``: the sideband WebSocket, a server-side controller of a call
   speaking the GA dialect (server key only).
+* ``GET /v1/realtime`` without ``call_id`` (and ``/v1/duplex``): a whole session on one WebSocket,
+  audio in events (``socket.py``, ``server/realtime_socket.py``); the server key or an ``ek_`` key.
 
 The call id is the session id, so the call is also visible under ``/v1/sessions``.
 """
@@ -52,6 +54,8 @@ from lychee_rtc.server.openai.session_config import (
     requested_processing,
     session_options,
 )
+from lychee_rtc.server.openai.socket import serve_openai_socket
+from lychee_rtc.server.realtime_socket import DUPLEX_PATH, REALTIME_PATH, SocketCalls, read_query
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import MAX_MESSAGE_BYTES, ProtocolError
 
@@ -68,8 +72,10 @@ class RealtimeSurface:
     rtc: RtcNegotiator
     profile: RealtimeProfile
     secrets: ClientSecrets
+    sockets: SocketCalls
     sidebands: dict[str, int] = field(default_factory=dict)  # call id -> open sideband sockets
     gateway: Any = None  # the SIP gateway (JanusSipGateway), when one is configured: SIP call control
+    duplex: Any = None  # vLLM-Omni's dialect of the socket (server.duplex.route.DuplexSockets)
 
 
 REALTIME_KEY = web.AppKey("realtime", RealtimeSurface)
@@ -142,19 +148,27 @@ async def _read_offer(request: web.Request, max_sdp: int) -> tuple[str, dict[str
     return sdp, session
 
 
-@auth.policy(auth.Policy.CLIENT_SECRET)
-async def create_call(request: web.Request) -> web.Response:
-    surface = request.app[REALTIME_KEY]
-    secret: ClientSecret | None = None
+def credentials(request: web.Request, surface: RealtimeSurface) -> ClientSecret | None | web.Response:
+    """Who opens a session: the server key (None), an ``ek_`` key (its record), or a 401 answer.
+    Without a server key configured any bearer, or none, is the server key's."""
     token = auth.bearer(request)
     if token is not None and is_client_secret(token):
         try:
-            secret = surface.secrets.verify(token)
+            return surface.secrets.verify(token)
         except InvalidClientSecret as exc:
             return error(401, "invalid_client_secret", str(exc), headers={"WWW-Authenticate": "Bearer"})
-    elif not auth.has_server_key(request, surface.settings.server.auth_token):
+    if not auth.has_server_key(request, surface.settings.server.auth_token):
         return error(401, "unauthorized", "missing or wrong bearer token: the server key or an ek_ client secret "
                      "is required", headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+@auth.policy(auth.Policy.CLIENT_SECRET)
+async def create_call(request: web.Request) -> web.Response:
+    surface = request.app[REALTIME_KEY]
+    secret = credentials(request, surface)
+    if isinstance(secret, web.Response):
+        return secret
     try:
         sdp, session_part = await _read_offer(request, surface.settings.server.max_sdp_bytes)
     except http.BodyError as exc:
@@ -316,7 +330,29 @@ async def create_client_secret(request: web.Request) -> web.Response:
     return http.json_response({"value": secret.value, "expires_at": int(secret.expires_at), "session": effective})
 
 
-# --- sideband ---------------------------------------------------------------------------------------
+# --- sockets ----------------------------------------------------------------------------------------
+
+
+@auth.policy(auth.Policy.CLIENT_SECRET)
+async def realtime_socket(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/realtime``: the sideband of a call (``call_id``), or a session on this socket."""
+    if "call_id" in request.query and request.path == REALTIME_PATH:
+        if not auth.has_server_key(request, request.app[REALTIME_KEY].settings.server.auth_token):
+            return http.unauthorized()  # a call's sideband is the server's, never a client key's
+        return await sideband(request)
+    surface = request.app[REALTIME_KEY]
+    secret = credentials(request, surface)
+    if isinstance(secret, web.Response):
+        return secret
+    try:
+        query = read_query(request)
+    except http.BodyError as exc:
+        return exc.response(param=None)
+    if query.duplex:
+        if surface.duplex is None:
+            return error(404, "not_found", "this server does not speak the duplex dialect")
+        return await surface.duplex.handle(request, query, secret)
+    return await serve_openai_socket(request, surface.settings, surface.profile, surface.sockets, query, secret)
 
 
 async def sideband(request: web.Request) -> web.StreamResponse:
@@ -350,12 +386,16 @@ async def sideband(request: web.Request) -> web.StreamResponse:
 
 
 def install(app: web.Application, settings: Settings, registry: CallRegistry, rtc: RtcNegotiator,
-            profile: RealtimeProfile) -> None:
-    app[REALTIME_KEY] = RealtimeSurface(settings, registry, rtc, profile, ClientSecrets(settings.server.auth_token))
+            profile: RealtimeProfile) -> RealtimeSurface:
+    surface = app[REALTIME_KEY] = RealtimeSurface(settings, registry, rtc, profile,
+                                                  ClientSecrets(settings.server.auth_token),
+                                                  SocketCalls(settings, registry))
     app.router.add_post(CALLS_PATH, create_call)
     app.router.add_post(CALLS_PATH + "/{call_id}/hangup", hangup)
     app.router.add_post(CALLS_PATH + "/{call_id}/accept", accept)
     app.router.add_post(CALLS_PATH + "/{call_id}/reject", reject)
     app.router.add_post(CALLS_PATH + "/{call_id}/refer", refer)
     app.router.add_post("/v1/realtime/client_secrets", create_client_secret)
-    app.router.add_get("/v1/realtime", sideband)
+    app.router.add_get(REALTIME_PATH, realtime_socket)
+    app.router.add_get(DUPLEX_PATH, realtime_socket)
+    return surface

@@ -15,8 +15,12 @@ from typing import Any
 from lychee_rtc.config import Settings
 from lychee_rtc.engine.base import EngineCapabilities, SessionOptions
 from lychee_rtc.session.protocol import ProtocolError, validator
+from lychee_rtc.ws.formats import PCM16_24K, PCMA, PCMU, SocketAudioFormat
 
 PCM_24K = {"type": "audio/pcm", "rate": 24000}
+# GA's three audio formats; ``audio/pcm`` is 24 kHz only (the SDKs' types say so).
+GA_FORMATS = {"audio/pcm": PCM16_24K, "audio/pcmu": PCMU, "audio/pcma": PCMA}
+FORMAT_PATHS = (("audio", "input", "format"), ("audio", "output", "format"))
 # Fields read into options rather than compared (``expires_after`` belongs to a client secret request).
 HANDLED = {("type",), ("instructions",), ("audio", "output", "voice"), ("audio", "input", "noise_reduction"),
            ("expires_after",), ("lychee_rtc", "recording")}
@@ -69,10 +73,42 @@ def noise_reduction_of(processing: dict[str, Any] | None) -> dict[str, str] | No
     return None
 
 
+def ga_format(fmt: SocketAudioFormat) -> dict[str, Any]:
+    """A socket's audio format as GA names it."""
+    if fmt.encoding == "g711_ulaw":
+        return {"type": "audio/pcmu"}
+    if fmt.encoding == "g711_alaw":
+        return {"type": "audio/pcma"}
+    return dict(PCM_24K)
+
+
+def format_of(raw: dict[str, Any], where: str, event_id: str | None = None) -> SocketAudioFormat:
+    """A GA audio format (already schema-checked) as the socket's; ``audio/pcm`` at 24 kHz only."""
+    fmt = GA_FORMATS[raw["type"]]
+    if raw["type"] == "audio/pcm" and raw.get("rate", 24000) != 24000:
+        raise ProtocolError("unsupported_audio_format", f"{where}: audio/pcm is 24000 Hz here (as in OpenAI's API), "
+                            f"not {raw['rate']}", event_id)
+    return fmt
+
+
+def requested_formats(raw: dict[str, Any], event_id: str | None = None
+                      ) -> tuple[SocketAudioFormat | None, SocketAudioFormat | None]:
+    """The input and output formats a socket's client asks for (None: unchanged)."""
+    audio = raw.get("audio") or {}
+    found: list[SocketAudioFormat | None] = []
+    for side in ("input", "output"):
+        fmt = (audio.get(side) or {}).get("format")
+        found.append(None if fmt is None else format_of(fmt, f"session.audio.{side}.format", event_id))
+    return found[0], found[1]
+
+
 def render_session(profile: RealtimeProfile, *, session_id: str | None, instructions: str | None,
                    voice: str | None, expires_at: int | None,
-                   noise_reduction: dict[str, str] | None = None) -> dict[str, Any]:
-    """The GA session object, describing what the session really does."""
+                   noise_reduction: dict[str, str] | None = None,
+                   formats: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The GA session object, describing what the session really does. ``formats``: a socket's
+    input and output formats; over WebRTC the PCM the engine works in is described."""
+    in_format, out_format = formats or (dict(PCM_24K), dict(PCM_24K))
     session: dict[str, Any] = {"object": "realtime.session", "type": "realtime"}
     if session_id is not None:
         session["id"] = session_id
@@ -81,10 +117,9 @@ def render_session(profile: RealtimeProfile, *, session_id: str | None, instruct
         "output_modalities": ["audio"],
         "instructions": instructions or "",
         "audio": {
-            # Over WebRTC the codec is the media track's; these describe the PCM the engine works in.
-            "input": {"format": dict(PCM_24K), "transcription": None, "noise_reduction": noise_reduction,
+            "input": {"format": in_format, "transcription": None, "noise_reduction": noise_reduction,
                       "turn_detection": profile.turn_detection},
-            "output": {"format": dict(PCM_24K), "voice": voice, "speed": 1.0},
+            "output": {"format": out_format, "voice": voice, "speed": 1.0},
         },
         "tools": [],
         "tool_choice": "auto",
@@ -96,11 +131,12 @@ def render_session(profile: RealtimeProfile, *, session_id: str | None, instruct
     return session
 
 
-def render_live_session(profile: RealtimeProfile, info: dict[str, Any], created_at_wall: float) -> dict[str, Any]:
+def render_live_session(profile: RealtimeProfile, info: dict[str, Any], created_at_wall: float,
+                        formats: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The GA session object of a running session, from the session's own ``describe()``."""
     return render_session(profile, session_id=info["id"], instructions=info.get("instructions"),
                           voice=info.get("voice"), expires_at=int(created_at_wall + profile.max_duration_s),
-                          noise_reduction=noise_reduction_of(info.get("audio_processing")))
+                          noise_reduction=noise_reduction_of(info.get("audio_processing")), formats=formats)
 
 
 @dataclass(frozen=True)
@@ -109,10 +145,12 @@ class SessionRequest:
     ignored: tuple[str, ...]  # dotted paths of requested values this session does not have
 
 
-def read_session_config(raw: Any, profile: RealtimeProfile, event_id: str | None = None) -> SessionRequest:
+def read_session_config(raw: Any, profile: RealtimeProfile, event_id: str | None = None,
+                        formats_apply: bool = False) -> SessionRequest:
     """Validate a GA session configuration and split it into changes and ignored fields.
 
-    Raises ProtocolError (code ``invalid_session``) for a malformed configuration.
+    ``formats_apply``: the audio formats are the socket's (read with ``requested_formats``), not
+    descriptive. Raises ProtocolError (code ``invalid_session``) for a malformed configuration.
     """
     errors = sorted(validator("oai.session_config").iter_errors(raw), key=lambda e: list(e.path))
     if errors:
@@ -144,19 +182,20 @@ def read_session_config(raw: Any, profile: RealtimeProfile, event_id: str | None
         if "recording" in extension:
             changes["recording"] = extension["recording"]
     actual = render_session(profile, session_id=None, instructions=None, voice=None, expires_at=None)
-    ignored += _differences(raw, actual, ())
+    ignored += _differences(raw, actual, (), FORMAT_PATHS if formats_apply else ())
     return SessionRequest(changes, tuple(ignored))
 
 
-def _differences(requested: dict[str, Any], actual: Any, path: tuple[str, ...]) -> list[str]:
+def _differences(requested: dict[str, Any], actual: Any, path: tuple[str, ...],
+                 handled: tuple[tuple[str, ...], ...] = ()) -> list[str]:
     out: list[str] = []
     for key, value in requested.items():
         here = path + (key,)
-        if here in HANDLED:
+        if here in HANDLED or here in handled:
             continue
         have = actual.get(key, _MISSING) if isinstance(actual, dict) else _MISSING
         if isinstance(value, dict) and isinstance(have, dict):
-            out += _differences(value, have, here)
+            out += _differences(value, have, here, handled)
         elif value != have:
             out.append(".".join(here))
     return out
