@@ -99,7 +99,7 @@ def test_gpu_run_script_runs_every_step_at_tiny_size(tmp_path):
     assert check["model"]["path"] == str(written / "lychee_full_duplex")
     assert [r["sessions"] for r in check["plan"]["rows"]] == [1, 2, 4, 8]
     slide = json.loads((out / "bench-slide" / "bench_slide.json").read_text())["rows"]
-    assert [(r["sessions"], r["slides"], r["context_resets"]) for r in slide] == [(1, 1, 0), (2, 1, 0)]
+    assert [(r["sessions"], r["slides"], r["context_resets"]) for r in slide] == [(1, 2, 0), (2, 2, 0)]
     rows = json.loads((out / "bench-gpu" / "bench_gpu.json").read_text())["rows"]
     assert {(r["sessions"], r["state"]) for r in rows} == {(1, "listen"), (1, "speak"), (2, "listen"), (2, "speak")}
     assert json.loads((out / "vocoder.json").read_text())

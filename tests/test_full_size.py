@@ -332,6 +332,9 @@ def test_random_checkpoint_and_check_on_the_command_line(tmp_path):
     assert out["model"]["tensors"] == 172 and out["token2wav"]["hift_tensors"] == 328
     assert out["step"]["decision"] in ("S-S", "K-L") and out["step"]["peak_rss_mib"] > 0
     assert "| C4 |" in checked.stdout and "one window step on the CPU" in checked.stdout
+    # The profile's context sizes are null: they follow its max_seq (8192) for this tokenizer's prompt.
+    assert out["context"] == {"mode": "sliding", "sink": 37, "window": 6500, "step": 1630, "budget": 205}
+    assert "rolling context (sliding): sink 37 positions" in checked.stdout
     # The released layout is asked for by default; a tiny folder is named as what it is.
     strict = cli("check", "--dir", str(tmp_path / "ck"))
     assert strict.returncode == 1 and "is not the released layout" in strict.stderr

@@ -278,8 +278,6 @@ async def test_serve_finds_the_download_in_the_cache(downloaded, tmp_path):
     env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "LYCHEE_RTC_SERVER__HOST": "127.0.0.1",
            "LYCHEE_RTC_ENGINE__LYCHEE__DEVICE": "cpu", "LYCHEE_RTC_ENGINE__LYCHEE__DTYPE": "fp32",
            "LYCHEE_RTC_ENGINE__LYCHEE__MAX_SEQ": "1024", "LYCHEE_RTC_ENGINE__LYCHEE__TORCH_THREADS": "1",
-           # the profile's context sizes are for 8192 positions: derived from max_seq here
-           "LYCHEE_RTC_ENGINE__LYCHEE__CONTEXT_WINDOW": "null", "LYCHEE_RTC_ENGINE__LYCHEE__CONTEXT_SLIDE_STEP": "null",
            "LYCHEE_RTC_ENGINE__LYCHEE__TOKEN2WAV__DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
     async with spawned_server(str(ROOT / "configs" / "lychee-c1.yaml"), env=env, ready_timeout_s=240) as (url, _):
         client = RtcClient(url)

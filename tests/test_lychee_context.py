@@ -41,7 +41,7 @@ from lychee_rtc.engine.lychee.tokenizer import Tokenizer
 from strict import CUDA_REASON_PREFIX
 
 # A slot of 256 positions: the 37-position system prefix, 100 kept, a slide every 6 windows.
-SMALL = dict(max_seq=256, context_window=100, context_slide_step=60, context_prefill_chunk=32)
+SMALL = dict(max_seq=256, context_window=100, context_slide_step=60)
 GREEDY = dict(temperature=0.0, start_speak_factor=1.0, start_listen_factor=1.0, max_speech_tokens=10**6,
               max_text_tokens=10**6)
 # fp32 logits of a scale of ~5; the reference itself shows ~3e-6 between its cached and uncached paths.
@@ -226,7 +226,7 @@ def test_a_response_spanning_slides_goes_on_gapless_and_barge_in_and_epochs_hold
     monkeypatch.setattr(decode_mod, "control_decision", scripted)
     opts = {"model_root": str(ckpts["endless"]), "dtype": "fp32", "device": "cpu", "max_seq": 512,
             "torch_threads": 1, "progress": False, "strict_codec_range": True, "context_window": 100,
-            "context_slide_step": 60, "context_prefill_chunk": 32}
+            "context_slide_step": 60}
     be = build_lychee_backend(opts, 1, vocoder_factory=pool)
     assert be.capabilities.context == ContextPolicy("sliding", 512, 25.0, 37, 100, 60)
     be.open_slot(0, SessionOptions(seed=3))
@@ -341,23 +341,27 @@ def test_a_slot_stays_the_same_size_over_many_slides(ckpts):
 
 
 def test_policy_arithmetic():
-    p = SlidePolicy.build(8192, 6000, 1500, 256, prefix_len=10, max_prefix=2048)
-    plan = p.plan(10, 10)
+    p = SlidePolicy.build(8192, 6000, 1500, None, prefix_len=10, max_prefix=2048)
+    plan = p.plan(10, 10, decided=6010)  # started right after the last slide: a whole slide step to run
     assert (plan.kept, plan.shift, plan.swap_at) == (6000, 1500, 7500)
-    assert plan.start_at == 7500 - 10 * 24  # ceil(6010 / 256) + 1 = 25 window steps, the last at the slide
+    assert p.last_switch(10) == 8160  # the window after it would be within two of the end
     assert p.kept(2048, 2048) == 4620  # a long system prompt shrinks the window, never the slot
-    late = p.plan(10, 10, decided=7400)  # started late: the slide moves, it still keeps the window
-    assert (late.start_at, late.swap_at, late.kept, late.shift) == (7400, 7640, 6000, 1640)
-    derived = SlidePolicy.build(8192, None, None, 256, prefix_len=10, max_prefix=2048)
+    longer = p.plan(10, 2048, decided=7400)  # a new prompt longer by more than a step: the time left
+    assert (longer.kept, longer.swap_at, longer.shift) == (4620, 8160, 3540)
+    # Re-prefill budget: the largest context (min(2048 + 6000, 8192 - 1500 - 20) = 6672) over the 150
+    # window steps of a slide less 2 in reserve, 46 a step, x 1.25.
+    assert (p.rate, p.budget) == (46, 58)
+    assert SlidePolicy.build(8192, 6000, 1500, None, 10, 2048, sessions=4).budget == 230
+    derived = SlidePolicy.build(8192, None, None, None, prefix_len=10, max_prefix=2048)
     assert (derived.step, derived.window) == (1630, 6530)
-    off = SlidePolicy.build(8192, 0, None, 256, prefix_len=10, max_prefix=2048)
-    assert not off.enabled and off.plan(10, 10) is None
+    off = SlidePolicy.build(8192, 0, None, None, prefix_len=10, max_prefix=2048)
+    assert not off.enabled and off.plan(10, 10, decided=10) is None
     for kwargs, key in (({"window": 6005}, "context_window"), ({"step": 0}, "context_slide_step"),
-                        ({"window": 7000}, "context_window"), ({"chunk": 10}, "context_prefill_chunk"),
-                        ({"chunk": 40}, "context_prefill_chunk"), ({"step": 6120, "window": 10}, "context_slide_step")):
-        args = {"window": 6000, "step": 1500, "chunk": 256} | kwargs
+                        ({"window": 7000}, "context_window"), ({"budget": 10}, "context_prefill_budget"),
+                        ({"budget": 45}, "context_prefill_budget"), ({"step": 6120, "window": 10}, "context_slide_step")):
+        args = {"window": 6000, "step": 1500, "budget": None} | kwargs
         with pytest.raises(ContextSettingsError, match=key):
-            SlidePolicy.build(8192, args["window"], args["step"], args["chunk"], prefix_len=10, max_prefix=2048)
+            SlidePolicy.build(8192, args["window"], args["step"], args["budget"], prefix_len=10, max_prefix=2048)
 
 
 def test_context_settings_errors_name_the_key(ckpts):
@@ -365,7 +369,7 @@ def test_context_settings_errors_name_the_key(ckpts):
             "progress": False, "torch_threads": 1}
     for over, key in (({"context_window": 105}, "engine.lychee.context_window"),
                       ({"context_slide_step": 0}, "engine.lychee.context_slide_step"),
-                      ({"context_prefill_chunk": 8}, "engine.lychee.context_prefill_chunk"),
+                      ({"context_prefill_budget": 8}, "engine.lychee.context_prefill_budget"),
                       ({"context_window": "6000"}, "engine.lychee.context_window")):
         with pytest.raises(SettingsError, match=key.replace(".", r"\.")):
             LycheeEngineSettings.from_mapping(base | over)

@@ -26,8 +26,7 @@ def tiny_root(tmp_path_factory) -> str:
 
 async def test_lychee_tiny_serves_a_webrtc_session(tiny_root):
     lychee = {"model_root": tiny_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
-              "progress": False, "seed": 1, "token2wav": None,
-              "context_window": None, "context_slide_step": None}  # the profile's sizes are for 8192  # no vocoder: the path ends at codes
+              "progress": False, "seed": 1, "token2wav": None}  # no vocoder: the path ends at codes
     async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
                               engine={"lychee": lychee}) as (url, _app):
         client = RtcClient(url)
@@ -72,8 +71,7 @@ async def test_lychee_tiny_takes_the_agents_instructions_over_the_ga_dialect(tin
     from lychee_rtc.server.app import ENGINE_KEY, REGISTRY_KEY
 
     lychee = {"model_root": tiny_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
-              "progress": False, "seed": 1, "token2wav": None,
-              "context_window": None, "context_slide_step": None}  # the profile's sizes are for 8192
+              "progress": False, "seed": 1, "token2wav": None}
     async with running_server("configs/lychee-c1.yaml", server={"host": "127.0.0.1"},
                               engine={"lychee": lychee}) as (url, app):
         client, call_id = await open_call(url, {})

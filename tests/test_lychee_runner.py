@@ -217,7 +217,7 @@ def test_context_limit_resets_and_never_overflows(model, tok, monkeypatch, stall
     # because the re-prefill is made to do nothing.
     monkeypatch.setattr(decode_mod, "control_decision", Scripted([0] * 50, [1] * 50))
     if stalled_slides:
-        monkeypatch.setattr(Slider, "advance", lambda *args, **kwargs: 0)
+        monkeypatch.setattr(Slider, "stage", lambda *args, **kwargs: (0, 0))
     r = LycheeRunner(model, tok, 1, RunnerSettings(max_seq=200, context_reserve_windows=3,
                                                    context_window=None if stalled_slides else 0,
                                                    start_speak_factor=2.0, start_listen_factor=1.0,
@@ -230,6 +230,7 @@ def test_context_limit_resets_and_never_overflows(model, tok, monkeypatch, stall
     assert any(d.status == "incomplete" and d.reason == "context_limit" for d in done)
     assert r.slots[0].fed + r.prefix_len <= 200
     assert r.slots[0].context_slides == 0
+    assert r.slide_stats.fallbacks == (r.slots[0].context_resets if stalled_slides else 0)
 
 
 def test_close_resets_the_slot(model, tok):

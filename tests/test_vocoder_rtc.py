@@ -39,8 +39,7 @@ async def test_lychee_with_token2wav_serves_audio(roots, tmp_path):
     profile["server"]["host"] = "127.0.0.1"
     profile["engine"]["lychee"].update({
         "model_root": lychee_root, "device": "cpu", "dtype": "fp32", "max_seq": 1024, "torch_threads": 1,
-        "progress": False, "seed": 1, "token2wav": vocoder_section,
-        "context_window": None, "context_slide_step": None})  # the profile's context sizes are for 8192
+        "progress": False, "seed": 1, "token2wav": vocoder_section})  # context sizes follow max_seq
     config = tmp_path / "lychee-c1-tiny.yaml"
     config.write_text(yaml.safe_dump(profile))
     async with running_server(str(config)) as (url, _app):

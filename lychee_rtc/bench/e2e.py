@@ -98,9 +98,8 @@ def swapped_profile(config: Path, out: Path, model_root: str, vocoder: dict | No
         if lychee.get("token2wav"):
             lychee["token2wav"]["device"] = device
     if device == "cpu":
-        # The profile's context sizes are for 8192 positions: derived from max_seq here.
-        lychee.update({"dtype": "fp32", "max_seq": 1024, "context_window": None, "context_slide_step": None,
-                       "progress": False, "torch_threads": 1})
+        # The profile's context sizes follow max_seq.
+        lychee.update({"dtype": "fp32", "max_seq": 1024, "progress": False, "torch_threads": 1})
     profile["server"]["host"] = "127.0.0.1"
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{config.stem}-swapped.yaml"

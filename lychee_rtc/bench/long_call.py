@@ -2,8 +2,8 @@
 
 The tiny random Lychee-FD (and, unless ``--no-vocoder``, the tiny Token2Wav) runs on the CPU behind
 the real engine scheduler, with a small slot (``--max-seq``, default 512 positions) and a small
-rolling window (``--window`` 200 kept, ``--step`` 100 dropped per slide), so a call slides every
-few seconds of conversation. One caller per session plays a support call on the 400 ms window grid:
+rolling window (``--window`` 200 kept, ``--step`` 100 dropped per slide; the re-prefill budget
+derived as in the profiles unless ``--budget``), so a call slides every few seconds of conversation. One caller per session plays a support call on the 400 ms window grid:
 a few seconds of speech (noise), then ``input_audio_buffer.commit`` (a COMMIT control); the model
 answers until ``<tts_end>``; every third answer the caller cuts it (a CANCEL under a new epoch, as
 the session sends for ``response.cancel``), and a model barge-in is answered the same way. A
@@ -13,9 +13,11 @@ fast as the engine does.
 Every ``--sample-every`` seconds of call time it records the process's resident memory, the engine
 step's thread CPU time (median and max over the interval: the worker thread's own CPU seconds, so
 other load on the machine does not inflate it) and wall time, the slides, context resets and the
-longest host token list of any slot. The report gives start / end / max and a linear-fit slope per
-hour over the second half of the call. The command exits non-zero if a context reset, an engine
-error or a dropped window happened, or a call did not reach its length.
+longest host token list of any slot; at the end, the slides that took effect late, the most
+positions one step re-prefilled against the budget. The report gives start / end / max and a
+linear-fit slope per hour over the second half of the call. The command exits non-zero if a context
+reset, a late slide, an engine error or a dropped window happened, or a call did not reach its
+length.
 
     lychee-rtc bench long-call --minutes 30 --out long-call      # one 30-minute call
     lychee-rtc bench long-call --minutes 30 --sessions 2 --no-vocoder
@@ -91,6 +93,9 @@ class LongCallReport:
     tallies: list[CallTally]
     windows_dropped: int
     slides: int
+    slides_late: int  # slides that took effect after their slide point
+    budget: int  # re-prefill positions per window step, all sessions together
+    most_computed: int  # the most one step re-prefilled (padding of batched forwards included)
     rss_mb: Trend
     speak_cpu_ms_p50: Trend
     listen_cpu_ms_p50: Trend
@@ -100,7 +105,7 @@ class LongCallReport:
     @property
     def clean(self) -> bool:
         want = int(round(self.minutes * 60 / WINDOW_S))
-        return (self.windows_dropped == 0 and all(t.context_resets == 0 and not t.errors and t.windows == want
+        return (self.windows_dropped == 0 and self.slides_late == 0 and all(t.context_resets == 0 and not t.errors and t.windows == want
                                                   for t in self.tallies))
 
 
@@ -220,7 +225,7 @@ async def caller(slot: "EngineSlot", windows: int, seed: int, tally: CallTally, 
                 slot.control(Control(ControlKind.COMMIT, epoch))  # end of the caller's turn
 
 
-async def long_call(*, minutes: float, sessions: int, max_seq: int, window: int, step: int, chunk: int,
+async def long_call(*, minutes: float, sessions: int, max_seq: int, window: int, step: int, budget: int | None,
                     vocoder: bool, sample_every_s: float, seed: int = 0, threads: int | None = 1,
                     progress: bool = True, command: str = "") -> LongCallReport:
     import torch
@@ -236,7 +241,7 @@ async def long_call(*, minutes: float, sessions: int, max_seq: int, window: int,
         options: dict[str, Any] = {
             "model_root": str(root), "device": "cpu", "dtype": "fp32", "max_seq": max_seq, "progress": False,
             "torch_threads": threads, "seed": seed, "strict_codec_range": True, "context_window": window,
-            "context_slide_step": step, "context_prefill_chunk": chunk}
+            "context_slide_step": step, "context_prefill_budget": budget}
         if vocoder:
             from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
 
@@ -246,7 +251,8 @@ async def long_call(*, minutes: float, sessions: int, max_seq: int, window: int,
         assert context is not None
         setup = {"model": "tiny random Lychee-FD (CPU, fp32)", "vocoder": "tiny Token2Wav" if vocoder else None,
                  "max_seq": max_seq, "sink": context.sink_positions, "window": context.window_positions,
-                 "slide_step": context.slide_positions, "prefill_chunk": chunk, "torch_threads": threads,
+                 "slide_step": context.slide_positions, "prefill_budget": backend.runner.policy.budget,
+                 "torch_threads": threads,
                  "cpus": os.cpu_count(), "load_before": round(os.getloadavg()[0], 2)}
         return await _run_calls(backend, setup, sessions, windows, minutes, sample_every_s, seed, progress, command)
 
@@ -305,8 +311,9 @@ async def _run_calls(backend, setup: dict[str, Any], sessions: int, windows: int
         for slot in slots:
             await slot.close()
         await engine.stop()
+    stats = runner.slide_stats
     return LongCallReport(command, setup, minutes, sessions, round(time.monotonic() - t0, 1), tallies, dropped,
-                          slides, trend(samples, "rss_mb"), trend(samples, "speak_cpu_ms_p50"),
+                          slides, stats.late, stats.budget, stats.most_computed, trend(samples, "rss_mb"), trend(samples, "speak_cpu_ms_p50"),
                           trend(samples, "listen_cpu_ms_p50"), trend(samples, "step_wall_ms_p50"), samples)
 
 
@@ -331,7 +338,8 @@ def format_markdown(r: LongCallReport) -> str:
     for i, t in enumerate(r.tallies):
         lines.append(f"| {i} | {t.windows} | {t.responses} | {t.completed} | {t.cancelled} | {t.barge_ins} "
                      f"| {t.context_resets} | {t.errors or '-'} |")
-    lines += ["", f"Slides: {r.slides}; windows dropped by the scheduler: {r.windows_dropped}.", "",
+    lines += ["", f"Slides: {r.slides} ({r.slides_late} late); the most positions re-prefilled in one step: "
+              f"{r.most_computed} of a budget of {r.budget}; windows dropped by the scheduler: {r.windows_dropped}.", "",
               "| series | start | end | max | slope per hour (2nd half) |", "|---|---|---|---|---|"]
     for name, tr in (("RSS MB", r.rss_mb), ("speaking step CPU ms p50", r.speak_cpu_ms_p50),
                      ("listening step CPU ms p50", r.listen_cpu_ms_p50), ("step wall ms p50", r.step_wall_ms_p50)):
@@ -367,7 +375,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq", type=int, default=512, help="positions per slot (default 512)")
     p.add_argument("--window", type=int, default=200, help="conversation positions a slide keeps (default 200)")
     p.add_argument("--step", type=int, default=100, help="positions dropped per slide (default 100)")
-    p.add_argument("--chunk", type=int, default=64, help="positions re-prefilled per window step (default 64)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="positions re-prefilled per window step, all sessions together (default: derived)")
     p.add_argument("--no-vocoder", action="store_true", help="end at speech codes (no tiny Token2Wav)")
     p.add_argument("--sample-every", type=float, default=60.0, help="seconds of call time between samples")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -379,7 +388,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     command = "lychee-rtc " + " ".join(sys.argv[1:]) if "bench" in sys.argv[1:] else ""
     report = asyncio.run(long_call(minutes=args.minutes, sessions=args.sessions, max_seq=args.max_seq,
-                                   window=args.window, step=args.step, chunk=args.chunk,
+                                   window=args.window, step=args.step, budget=args.budget,
                                    vocoder=not args.no_vocoder, sample_every_s=args.sample_every, seed=args.seed,
                                    threads=args.threads, command=command))
     print(format_markdown(report))

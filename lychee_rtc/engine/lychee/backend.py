@@ -73,10 +73,11 @@ class LycheeEngineSettings:
     seed: int = 0
     # Rolling context (docs/lychee_fd.md, "Long conversations"): recent conversation kept by a
     # slide, positions dropped per slide (None: derived from max_seq; context_window 0: no
-    # sliding, the conversation resets when full) and positions re-prefilled per window step.
+    # sliding, the conversation resets when full) and positions re-prefilled per window step by
+    # all sessions together (None: derived from the slide geometry and session.max_sessions).
     context_window: int | None = None
     context_slide_step: int | None = None
-    context_prefill_chunk: int = 256
+    context_prefill_budget: int | None = None
     context_reserve_windows: int = 25
     # auto: the window step runs as captured CUDA graphs on a GPU, eagerly on a CPU; on: graphs
     # required (start-up fails without CUDA); off: eager everywhere (graphs.py).
@@ -146,8 +147,9 @@ class LycheeEngineSettings:
             value = getattr(s, key)
             if value is not None and (value < 0 or value % 10 or (value == 0 and key == "context_slide_step")):
                 raise SettingsError(f"engine.lychee.{key}: must be a multiple of 10 positions (400 ms), got {value}")
-        if s.context_window != 0 and s.context_prefill_chunk <= 10:
-            raise SettingsError("engine.lychee.context_prefill_chunk: must be more than 10 positions (a window)")
+        if s.context_prefill_budget is not None and s.context_prefill_budget < 10:
+            raise SettingsError("engine.lychee.context_prefill_budget: must be at least 10 positions (a window) "
+                                f"per window step, or null to derive it, got {s.context_prefill_budget}")
         if s.no_repeat_ngram < 0:
             raise SettingsError("engine.lychee.no_repeat_ngram: must be >= 0")
         if s.temperature < 0:
@@ -169,7 +171,7 @@ class LycheeEngineSettings:
             max_text_tokens=self.max_text_tokens, max_speech_tokens=self.max_speech_tokens,
             stoken_delay_num=self.stoken_delay_num, strict_codec_range=self.strict_codec_range,
             seed=self.seed, context_window=self.context_window, context_slide_step=self.context_slide_step,
-            context_prefill_chunk=self.context_prefill_chunk,
+            context_prefill_budget=self.context_prefill_budget,
             context_reserve_windows=self.context_reserve_windows, cuda_graphs=self.cuda_graphs,
         )
 

@@ -4,7 +4,9 @@ Without reading a weight: the Lychee-FD and Token2Wav folders a profile names (`
 references through the cache, or folders; ``--dir`` / ``--model`` / ``--token2wav`` instead) are
 checked against the released inventory from their headers and index (``inventory.py``), and the
 memory plan (``memory_plan.py``) is printed for 1, 2, 4 and 8 sessions and the profile's own count,
-with the profile's dtype, ``max_seq`` and voices, against a GPU's memory (an H200 by default).
+with the profile's dtype, ``max_seq`` and voices, against a GPU's memory (an H200 by default), and
+so is the rolling context the profile comes to with the folder's tokenizer (sink, window, slide
+step, re-prefill budget; the sizes left null follow ``max_seq``).
 
 ``--step`` then runs one full-size window step on the CPU, one layer at a time from the memory-
 mapped shards (``streamed_step.py``), and reports its time and peak memory: the model code meets
@@ -60,6 +62,20 @@ def vocoder_geometry(folder: Path, section: dict[str, Any]) -> VocoderGeometry:
         up_rate=cfg.up_rate, hop=settings.hop,
         prompt_tokens=tuple(prompt_tokens(p) for p in settings.voices.values()),
         max_cached_voices=settings.max_cached_voices)
+
+
+def context_geometry(model_root: Path, lychee: dict[str, Any], sessions: int) -> dict[str, Any]:
+    """What the profile's context keys come to for this folder's tokenizer (its default prompt)."""
+    from .runner import RunnerSettings, slide_policy
+    from .tokenizer import Tokenizer
+
+    keys = ("max_seq", "context_window", "context_slide_step", "context_prefill_budget")
+    settings = RunnerSettings(**{k: lychee[k] for k in keys if k in lychee})
+    policy, prefix = slide_policy(Tokenizer.from_dir(model_root), settings, sessions)
+    sink = len(prefix)
+    return {"mode": "sliding" if policy.enabled else "reset", "sink": sink,
+            "window": policy.kept(sink, sink) if policy.enabled else 0, "step": policy.step if policy.enabled else 0,
+            "budget": policy.budget}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +156,14 @@ def run(args: argparse.Namespace) -> int:
           f"session(s)):")
     print(format_plan(rows))
     status = 0 if all(r.fits for r in rows if r.sessions == settings.session.max_sessions) else 1
+    try:
+        report["context"] = context_geometry(model_root, lychee, settings.session.max_sessions)
+    except ValueError as exc:  # an explicit size that does not fit: the message names the key
+        return fail(f"engine.lychee.{exc}")
+    c = report["context"]
+    print(f"\nrolling context ({c['mode']}): sink {c['sink']} positions (the default system prompt), window "
+          f"{c['window']} ({c['window'] / 25:.0f} s), slide step {c['step']} ({c['step'] / 25:.0f} s), re-prefill "
+          f"budget {c['budget']} positions per window step for {settings.session.max_sessions} session(s)")
     if args.step:
         import torch
 

@@ -1,14 +1,21 @@
-"""The rolling-context policy of a slot: when a slide starts, where it takes effect, what it keeps.
+"""The rolling-context policy of a slot: its geometry, where each slide takes effect, what it keeps,
+and the engine-wide re-prefill budget per window step.
 
 All counts are post-prefix positions (40 ms each) unless they say otherwise. A slot's context is
 ``system prefix (the sink) + conversation``; the conversation grows by one window (10 positions)
 per step. With sliding on, when the conversation reaches ``kept + step`` decided positions, the
 oldest ``step`` are dropped and the slot goes on from ``kept`` positions at new (smaller) RoPE
-positions. The caches of the kept positions are rebuilt by a re-prefill that runs a chunk per
-window step some windows before the slide (``slide.py``), so the switch itself is a copy.
+positions. The caches of the kept positions are rebuilt by a re-prefill into the slot's staging
+row that runs from one slide to the next (``slide.py``), paced and budgeted by
+``slide_budget.py``, so the switch itself is a copy.
 
 Both the drop and the windows stay multiples of 10 positions: every kept position keeps its slot
 in the 400 ms grid (Sleep x8, Detect, decision; audio feature at even positions).
+
+Sizes that are not set follow ``max_seq`` (the documented rule, ``docs/lychee_fd.md``): the slide
+step is a fifth of the slot, the window the rest less the sink and the end margin, and the budget
+the rate at which every session can re-prefill its kept context within one slide step, with a
+margin. Only explicit values that cannot work are refused, each error naming its key.
 
 Pure arithmetic, no tensors: the numbers here are what ``docs/lychee_fd.md`` states and what the
 engine reports in its capabilities.
@@ -25,6 +32,12 @@ CHUNK = 10  # positions per 400 ms window
 # threshold for a speaking slot).
 END_MARGIN = 2 * CHUNK
 POSITIONS_PER_SECOND = 25.0
+# A re-prefill aims to have caught up with its live slot this many window steps before the slide
+# point (a cancel that rewrites a staged position, or a step in which the budget went to a more
+# urgent slide, is absorbed there).
+RESERVE_STEPS = 2
+# The derived budget is this much more than every session re-prefilling at its steady rate at once.
+BUDGET_MARGIN = 1.25
 
 
 class ContextSettingsError(ValueError):
@@ -37,86 +50,116 @@ class SlidePlan:
 
     kept: int  # conversation positions the slot holds right after the slide
     shift: int  # positions dropped (the oldest), a multiple of 10
-    start_at: int  # decided positions at which the re-prefill starts
     swap_at: int  # decided positions at which the slide takes effect (kept + shift)
 
 
 @dataclass(frozen=True)
 class SlidePolicy:
-    """``window``: conversation positions kept; ``step``: positions dropped per slide;
-    ``chunk``: positions re-prefilled per window step. ``window == 0``: sliding off (reset)."""
+    """``window``: conversation positions kept; ``step``: positions dropped per slide; ``budget``:
+    positions re-prefilled per window step by all slots together. ``window == 0``: sliding off."""
 
     max_seq: int
     window: int
     step: int
-    chunk: int
+    budget: int = 0
+    rate: int = 0  # the steady re-prefill rate one slot needs (positions per window step)
 
     @property
     def enabled(self) -> bool:
         return self.window > 0
 
     @classmethod
-    def build(cls, max_seq: int, window: int | None, step: int | None, chunk: int, prefix_len: int,
-              max_prefix: int) -> "SlidePolicy":
-        """Settings -> policy, with defaults from the slot size and every check naming its key.
+    def build(cls, max_seq: int, window: int | None, step: int | None, budget: int | None, prefix_len: int,
+              max_prefix: int, sessions: int = 1) -> "SlidePolicy":
+        """Settings -> policy: what is not set follows ``max_seq``; every check names its key.
 
-        Defaults: a slide drops a fifth of the slot; the window is the rest, less the default
-        system prefix and the end margin.
+        Rule: ``step = max_seq / 5``; ``window = max_seq - step - sink - 20`` (both down to a
+        multiple of 10). An explicit window with the step unset takes what is left after it, up to
+        a fifth; an explicit step with the window unset leaves the rest to the window.
         """
-        if step is None:
-            step = max(CHUNK, max_seq // 5 // CHUNK * CHUNK)
-        if window is None:
-            window = (max_seq - step - prefix_len - END_MARGIN) // CHUNK * CHUNK
-        policy = cls(max_seq, window, step, chunk)
         if window == 0:
-            return policy
+            return cls(max_seq, 0, step or 0)
+        room = max_seq - prefix_len - END_MARGIN  # conversation positions a slot holds at most
+        if step is None:
+            step = max_seq // 5 // CHUNK * CHUNK
+            if window is not None:
+                step = min(step, (room - window) // CHUNK * CHUNK)
+                if step < CHUNK:
+                    raise ContextSettingsError(
+                        f"context_window: {window} + the system prefix ({prefix_len}) + {END_MARGIN} leaves no "
+                        f"slide step in max_seq {max_seq} (at most {(room - CHUNK) // CHUNK * CHUNK}, or null to "
+                        "derive it)")
+        explicit_window = window is not None
+        if window is None:
+            window = (room - step) // CHUNK * CHUNK
+            if window < CHUNK:
+                raise ContextSettingsError(
+                    f"context_slide_step: {step} leaves no window after the system prefix ({prefix_len}) in "
+                    f"max_seq {max_seq} (at most {(room - CHUNK) // CHUNK * CHUNK}, or null to derive it)")
         for key, value in (("context_window", window), ("context_slide_step", step)):
             if value < CHUNK or value % CHUNK:
                 raise ContextSettingsError(f"{key}: must be a positive multiple of {CHUNK} positions (400 ms), "
                                            f"got {value}")
-        if chunk <= CHUNK:
-            raise ContextSettingsError(f"context_prefill_chunk: must be more than {CHUNK} positions (a window), "
-                                       f"got {chunk}")
-        if prefix_len + window + step + END_MARGIN > max_seq:
+        if window + step > room:
+            first, other = ("context_window", "context_slide_step") if explicit_window else \
+                ("context_slide_step", "context_window")
+            values = {"context_window": window, "context_slide_step": step}
             raise ContextSettingsError(
-                f"context_window: {window} + context_slide_step {step} + the system prefix ({prefix_len}) "
-                f"+ {END_MARGIN} must fit max_seq {max_seq} (set both for this max_seq, or null to derive them "
+                f"{first}: {values[first]} + {other} {values[other]} + the system prefix ({prefix_len}) + "
+                f"{END_MARGIN} must fit max_seq {max_seq} (set them for this max_seq, or null to derive them "
                 "from it)")
+        policy = cls(max_seq, window, step)
         if policy.kept(max_prefix, max_prefix) < CHUNK:
             raise ContextSettingsError(
                 f"context_slide_step: {step} leaves no window after the longest system prefix ({max_prefix}) "
                 f"in max_seq {max_seq}")
-        plan = policy.plan(prefix_len, prefix_len)
-        assert plan is not None
-        if plan.swap_at - plan.start_at >= step:
+        rate = policy.slot_rate(max_prefix)
+        need = sessions * rate
+        derived = math.ceil(BUDGET_MARGIN * need)
+        if budget is None:
+            budget = derived
+        elif budget < need:
             raise ContextSettingsError(
-                f"context_prefill_chunk: {chunk} positions per window cannot re-prefill {prefix_len + window} "
-                f"positions within one slide step ({step // CHUNK} windows)")
-        return policy
+                f"context_prefill_budget: {budget} positions per window step cannot re-prefill the kept context "
+                f"of {sessions} session(s) sliding in the same steps within one slide step ({step // CHUNK} "
+                f"windows): at least {need} (null derives {derived})")
+        return cls(max_seq, window, step, budget, rate)
 
     def kept(self, live_prefix: int, new_prefix: int) -> int:
         """Conversation positions a slide keeps: the window, less what a long prefix takes."""
         room = self.max_seq - max(live_prefix, new_prefix) - self.step - END_MARGIN
         return min(self.window, room // CHUNK * CHUNK)
 
-    def plan(self, live_prefix: int, new_prefix: int, decided: int | None = None) -> SlidePlan | None:
-        """The next slide of a slot whose live prefix is ``live_prefix`` and whose context after
-        the slide starts with ``new_prefix`` positions; None: no room to slide (the last resort).
+    def last_switch(self, live_prefix: int) -> int:
+        """The most decided positions at which a slide can still take effect before the slot's end
+        (the window after it would meet the last resort, ``slot.py``)."""
+        return (self.max_seq - live_prefix - CHUNK) // CHUNK * CHUNK - CHUNK
 
-        The re-prefill needs ``ceil((new_prefix + kept) / chunk)`` window steps, plus one for the
-        positions fed meanwhile; it starts that many windows before the slide point. Given
-        ``decided`` (a re-prefill starting now, later than planned), the slide point moves so that
-        it still keeps ``kept`` positions.
+    def slot_rate(self, max_prefix: int) -> int:
+        """Positions per window step that one slot's re-prefill needs at most: its largest context
+        (sink + kept) within the window steps from one slide to the next, less the reserve."""
+        positions = min(max_prefix + self.window, self.max_seq - self.step - END_MARGIN)  # >= sink + kept
+        steps = self.step // CHUNK
+        return max(CHUNK, math.ceil(positions / max(1, steps - min(RESERVE_STEPS, steps - 1))))
+
+    def plan(self, live_prefix: int, new_prefix: int, decided: int) -> SlidePlan | None:
+        """The next slide of a slot whose live prefix is ``live_prefix`` and whose context after
+        the slide starts with ``new_prefix`` positions, its re-prefill starting now, ``decided``
+        positions into the conversation; None: no room to slide (the last resort).
+
+        The slide point is ``kept + step``. Only a new prefix longer than the old by more than a
+        slide step can leave the slot past it already; the slide then takes the time the slot has
+        left (dropping more, so that it still keeps ``kept``).
         """
         if not self.enabled:
             return None
         kept = self.kept(live_prefix, new_prefix)
         if kept < CHUNK:
             return None
-        lead = math.ceil((new_prefix + kept) / self.chunk) + 1
+        last = self.last_switch(live_prefix)
         swap_at = kept + self.step
-        start_at = max(CHUNK, swap_at - CHUNK * (lead - 1))
-        if decided is not None and decided > start_at:
-            swap_at += -(-(decided - start_at) // CHUNK) * CHUNK
-            start_at = decided
-        return SlidePlan(kept=kept, shift=swap_at - kept, start_at=start_at, swap_at=swap_at)
+        if swap_at <= decided:
+            swap_at = min(last, decided + self.step)
+        if swap_at <= decided or swap_at > last:
+            return None
+        return SlidePlan(kept=kept, shift=swap_at - kept, swap_at=swap_at)

@@ -40,22 +40,25 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, rows: Tensor | None, input_pos: Tensor, k: Tensor, v: Tensor,
+    def update(self, rows: Tensor | slice | None, input_pos: Tensor, k: Tensor, v: Tensor,
                key_len: int | None = None) -> tuple[Tensor, Tensor]:
         """Write k/v (B, H, T, D) at positions input_pos (B, T) of cache rows ``rows`` (B,); return
         the rows' keys and values at positions ``0..key_len-1`` (all of them by default).
 
-        ``rows=None`` means the batch is rows 0..B-1 in order: the cache is then read as a view,
-        which is the fast path a full, static batch always takes.
+        ``rows=None`` means the batch is rows 0..B-1 in order, a ``slice`` rows ``start..start+B-1``:
+        the cache is then read as a view (no gather), which is the fast path a full, static batch
+        always takes (and a slide's re-prefill of consecutive staging rows).
         """
         b = k.shape[0]
-        idx = torch.arange(b, device=k.device) if rows is None else rows
+        first = 0 if rows is None else rows.start if isinstance(rows, slice) else None
+        idx = rows if first is None else torch.arange(first, first + b, device=k.device)
+        assert isinstance(idx, Tensor)
         self.k_cache[idx[:, None], :, input_pos] = k.transpose(1, 2)
         self.v_cache[idx[:, None], :, input_pos] = v.transpose(1, 2)
         n = self.k_cache.shape[2] if key_len is None else key_len
-        if rows is None:
-            return self.k_cache[:b, :, :n], self.v_cache[:b, :, :n]
-        return self.k_cache[rows, :, :n], self.v_cache[rows, :, :n]
+        if first is not None:
+            return self.k_cache[first:first + b, :, :n], self.v_cache[first:first + b, :, :n]
+        return self.k_cache[idx, :, :n], self.v_cache[idx, :, :n]
 
     def reset_rows(self, rows: list[int]) -> None:
         self.k_cache[rows] = 0
@@ -105,7 +108,7 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, input_pos: Tensor,
-                rows: Tensor | None) -> Tensor:
+                rows: Tensor | slice | None) -> Tensor:
         b, t, _ = x.shape
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.n_head * d, self.n_kv * d, self.n_kv * d], dim=-1)
@@ -141,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.mlp = FeedForward(cfg)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, input_pos: Tensor,
-                rows: Tensor | None) -> Tensor:
+                rows: Tensor | slice | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, input_pos, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -168,12 +171,12 @@ class StepContext:
     """Positions, cache rows and the attention mask of one forward, shared by every stack."""
 
     input_pos: Tensor  # (B, T) absolute positions (system prefix included)
-    rows: Tensor | None  # (B,) KV-cache rows, or None for rows 0..B-1
+    rows: Tensor | slice | None  # (B,) KV-cache rows; None: rows 0..B-1; a slice: consecutive rows
     mask: Tensor  # (B, 1, T, K) bool: key position <= query position, over key positions 0..K-1
     _rope: dict | None = None
 
     @classmethod
-    def build(cls, input_pos: Tensor, rows: Tensor | None, key_len: int) -> "StepContext":
+    def build(cls, input_pos: Tensor, rows: Tensor | slice | None, key_len: int) -> "StepContext":
         """``key_len``: the cache positions attention reads, ``max_seq`` for the window programs
         (static shapes); a prefill whose positions end before that reads only what it can see."""
         keys = torch.arange(key_len, device=input_pos.device)
@@ -240,7 +243,7 @@ class LycheeFD(nn.Module):
         for cache in self.caches():
             cache.copy_positions(src, dst, n)
 
-    def context(self, input_pos: Tensor, rows: Tensor | None, key_len: int | None = None) -> StepContext:
+    def context(self, input_pos: Tensor, rows: Tensor | slice | None, key_len: int | None = None) -> StepContext:
         return StepContext.build(input_pos, rows, self.max_seq if key_len is None else key_len)
 
     # -- embeddings -------------------------------------------------------------------------

@@ -26,10 +26,12 @@ indexed by slot (KV caches, and :class:`~.decode.RuleRows`: speech history for t
 rule counters; with sliding on, its staging cache row and stored audio features); closing a slot
 resets all of them.
 
-Long conversations (``context.py``, ``slide.py``): after each step, a slot nearing its slide point
-re-prefills the context it will keep (system prefix + recent conversation) into its staging row, a
-chunk per step; at the slide point that row replaces the slot's and the slot goes on at the new
-positions. ``max_seq`` positions per slot, whatever the conversation's length.
+Long conversations (``context.py``, ``slide.py``, ``slide_budget.py``): after each step, every
+sliding slot re-prefills a few more positions of the context it will keep at its next slide (system
+prefix + recent conversation) into its staging row, within one budget for the whole engine, the
+nearest slide first, the pieces of all slots in one batched forward where their shapes allow; at
+the slide point that row replaces the slot's and the slot goes on at the new positions. ``max_seq``
+positions per slot, whatever the conversation's length.
 
 Static shapes (``graphs.py``): each group's batch is padded to a bucket (1, 2, 4, 8, ...) and its
 inputs are copied into that bucket's fixed buffers; the listening forward and the speaking window
@@ -66,7 +68,8 @@ from .graphs import (
     use_cuda_graphs,
 )
 from .model import LycheeFD
-from .slide import FeatureStore, SlideJob, Slider
+from .slide import FeatureStore, Piece, SlideJob, Slider, SlideStats
+from .slide_budget import Claim, share
 from .slot import Mode, SlotMachine, SlotResult, SlotState
 from .tokenizer import Tokenizer
 
@@ -91,16 +94,27 @@ class RunnerSettings:
     stoken_delay_num: int | None = None  # None: config.json's value
     strict_codec_range: bool = False  # sample only codes the vocoder accepts (< codec vocab size)
     seed: int = 0
-    # Rolling context (context.py): conversation positions kept by a slide and dropped per slide
-    # (None: from max_seq, docs/lychee_fd.md; context_window 0 turns sliding off), and positions
-    # re-prefilled per window step while a slide is prepared.
+    # Rolling context (context.py): conversation positions kept by a slide and dropped per slide,
+    # and positions re-prefilled per window step by all slots together (None: from max_seq and
+    # max_sessions, docs/lychee_fd.md; context_window 0 turns sliding off).
     context_window: int | None = None
     context_slide_step: int | None = None
-    context_prefill_chunk: int = 256
+    context_prefill_budget: int | None = None
     # Sliding off: listening with fewer than this many windows of context left resets the
     # conversation (with sliding on, a reset happens only at the very end, as a last resort).
     context_reserve_windows: int = 25
     cuda_graphs: str = "auto"  # auto: captured on CUDA, eager elsewhere; on: CUDA required; off: eager
+
+
+def slide_policy(tokenizer: Tokenizer, settings: RunnerSettings, max_sessions: int) -> tuple[SlidePolicy, list[int]]:
+    """The rolling-context policy of a runner with these settings, and its default system prefix
+    (the sink the sizes are derived for); a session's own instructions may be up to a quarter of
+    ``max_seq``."""
+    prefix = tokenizer.encode(SYSTEM_TEMPLATE.format(instructions=DEFAULT_INSTRUCTIONS))
+    policy = SlidePolicy.build(settings.max_seq, settings.context_window, settings.context_slide_step,
+                               settings.context_prefill_budget, len(prefix), max(len(prefix), settings.max_seq // 4),
+                               max_sessions)
+    return policy, prefix
 
 
 class LycheeRunner:
@@ -122,8 +136,7 @@ class LycheeRunner:
         if settings.max_seq < self.prefix_len + 4 * CHUNK:
             raise ValueError(f"max_seq {settings.max_seq} leaves no room after the {self.prefix_len}-token prefix")
         self.max_post = settings.max_seq - self.prefix_len
-        self.policy = SlidePolicy.build(settings.max_seq, settings.context_window, settings.context_slide_step,
-                                        settings.context_prefill_chunk, self.prefix_len, self.max_prefix)
+        self.policy, _ = slide_policy(tokenizer, settings, max_sessions)
         # One row per slot plus a scratch row that padding rows of a bucket may write (graphs.py),
         # and with sliding on one staging row per slot after those (slide.py).
         self.scratch = max_sessions
@@ -133,8 +146,7 @@ class LycheeRunner:
         self.store: FeatureStore | None = None
         self.slider: Slider | None = None
         self.slides: dict[int, SlideJob] = {}
-        self.slide_work = 0  # positions re-prefilled in the last step (benchmarks read it)
-        self.slides_done = 0  # slides that took effect in the last step
+        self.slide_stats = SlideStats(budget=self.policy.budget)  # benchmarks and tests read it
         if sliding:
             hidden = model.embed_tokens.weight.shape[1]
             self.store = FeatureStore(max_sessions, settings.max_seq // CHUNK + 1, hidden,
@@ -152,7 +164,9 @@ class LycheeRunner:
                                    max_seq=st.max_seq, context_reserve_windows=st.context_reserve_windows,
                                    sliding=sliding)
         if self.store is not None:
-            self.slider = Slider(model, self.store, self.tok.audio_pad)
+            # A GPU forward's fixed cost (weights read, launches) dwarfs padded rows; a CPU pays for them.
+            self.slider = Slider(model, self.store, self.tok.audio_pad,
+                                 pad_ratio=float("inf") if self.device.type == "cuda" else 1.25)
         self.slots: list[SlotState | None] = [None] * max_sessions
         # Graphs are captured here, before any slot opens: a capture's warm-up writes the caches.
         self.graphs_captured = use_cuda_graphs(settings.cuda_graphs, self.device)
@@ -266,7 +280,10 @@ class LycheeRunner:
             state = self.slots[slot]
             if state is None:
                 raise KeyError(f"slot {slot} is not open")
+            resets = state.context_resets
             results.append(self.machine.begin_window(state, epoch))
+            if self.slider is not None and state.context_resets > resets:
+                self.slide_stats.fallbacks += 1  # its slide was not ready when the slot reached its end
             states.append(state)
         windows = torch.from_numpy(np.stack([np.asarray(w, dtype=np.float32) for _, w, _ in items])).to(self.device)
         feats = encode_windows(self.model.encoder, self.model.adapter, self.filters, windows)
@@ -298,29 +315,46 @@ class LycheeRunner:
         return results
 
     def _advance_slides(self, states: list[SlotState]) -> None:
-        """Start, feed and finish the context slides of the slots stepped now (``slide.py``)."""
-        self.slide_work = self.slides_done = 0
+        """Start, feed and finish the context slides of the slots stepped now (``slide.py``).
+
+        A slot's next slide starts as soon as its last one took effect (or at open), so its
+        re-prefill has a whole slide step to run in; the step's budget goes to the nearest slide
+        points first; a slide takes effect at its point if its staging row has caught up, later
+        (counted late) if not, and if the slot reaches its end first the last resort resets it.
+        """
+        stats = self.slide_stats
+        stats.new_step()
+        stats.budget = self.policy.budget
         if self.slider is None:
             return
         for s in states:
-            job = self.slides.get(s.index)
-            if job is None:
+            if s.index not in self.slides:
                 prefix = s.pending_prefix_ids if s.pending_prefix_ids is not None else s.prefix_ids
-                plan = self.policy.plan(s.prefix_len, len(prefix))
-                if plan is None or len(s.text) < plan.start_at:
-                    continue
-                plan = self.policy.plan(s.prefix_len, len(prefix), decided=len(s.text))
-                assert plan is not None
-                job = self.slides[s.index] = SlideJob(plan, prefix)
-            staging = self.staging_row(s.index)
-            self.slide_work += self.slider.advance(job, s.index, staging, s.text, s.stoken, s.control, s.fed,
-                                                   self.policy.chunk)
+                plan = self.policy.plan(s.prefix_len, len(prefix), len(s.text))
+                if plan is not None:
+                    self.slides[s.index] = SlideJob(plan, prefix)
+        active = [(s, self.slides[s.index]) for s in states if s.index in self.slides]
+        claims = [Claim(s.index, job.steps_left(len(s.text)), max(0, job.target(len(s.text), s.fed) - job.staged))
+                  for s, job in active]
+        grants = share(claims, self.policy.budget, least=self.policy.rate)
+        pieces = [Piece(job, s.index, self.staging_row(s.index), job.staged + g, s.text, s.stoken, s.control)
+                  for (s, job), g in zip(active, grants) if g]
+        stats.positions, stats.pieces = sum(grants), len(pieces)
+        if pieces:
+            stats.computed, stats.forwards = self.slider.stage(pieces, self.policy.budget - stats.positions)
+            stats.most_computed = max(stats.most_computed, stats.computed)
+        for s, job in active:
             if job.ready(len(s.text), s.fed):
-                self.slider.switch(job, s.index, staging, self.rule_rows, len(s.text), s.window, self.tok.stoken_pad)
+                late = len(s.text) > job.plan.swap_at
+                self.slider.switch(job, s.index, self.staging_row(s.index), self.rule_rows, len(s.text), s.window,
+                                   self.tok.stoken_pad)
                 self.machine.slide(s, job.plan.shift, job.prefix_ids)
                 del self.slides[s.index]
-                self.slides_done += 1
-                log.debug("slot %d: context slid by %d positions (%d kept)", s.index, job.plan.shift, len(s.text))
+                stats.switches += 1
+                stats.slides += 1
+                stats.late += late
+                log.debug("slot %d: context slid by %d positions (%d kept)%s", s.index, job.plan.shift, len(s.text),
+                          " late" if late else "")
 
     def _by_length(self, states: list[SlotState], idx: list[int]) -> list[list[int]]:
         groups: dict[int, list[int]] = {}

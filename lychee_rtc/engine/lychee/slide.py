@@ -7,18 +7,20 @@ positions gives a state that no forward over the kept tokens produces. A re-pref
 kept tokens (system prefix, then the recent conversation at its new positions) gives that forward's
 state, so the next step's logits are a fresh teacher-forced forward's (``docs/lychee_fd.md``).
 
-Off the window's critical path: each slot has a second cache row (its *staging row*). Some windows
-before the slide point, a re-prefill starts there and feeds ``chunk`` positions after each window
-step (after the step's results were fetched; on a GPU its kernels queue behind them), catching up
-with the live slot, which meanwhile goes on in its own row. At the slide point the staging row
-holds the kept context and is copied over the slot's row in place; the host lists, the speech
-history of the n-gram rule and the stored features shift by the same amount. Nothing else of the
-slot changes, so a response that spans a slide simply goes on.
+Off the window's critical path: each slot has a second cache row (its *staging row*). From one
+slide to the next, a re-prefill fills it after each window step (after the step's results were
+fetched; on a GPU its kernels queue behind them), a few positions at a time as the engine-wide
+budget allows (``slide_budget.py``), catching up with the live slot, which meanwhile goes on in its
+own row. The pieces of all slots in a step run as one batched forward where their shapes allow.
+At the slide point the staging row holds the kept context and is copied over the slot's row in
+place; the host lists, the speech history of the n-gram rule and the stored features shift by the
+same amount. Nothing else of the slot changes, so a response that spans a slide simply goes on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ from .audio import FEATURES_PER_WINDOW
 from .context import CHUNK, SlidePlan
 from .decode import RuleRows
 from .model import LycheeFD
+from .slide_budget import batches, padded
 
 
 class FeatureStore:
@@ -45,13 +48,18 @@ class FeatureStore:
         rows, at = torch.tensor(slots, device=device), torch.tensor(windows, device=device)
         self.feats[rows, at] = feats.to(self.feats.dtype)
 
-    def channel(self, slot: int, positions: np.ndarray, pad: Tensor) -> Tensor:
-        """The audio channel of post-prefix ``positions``: feature j of window k at 10k+2j, pad elsewhere."""
-        device = self.feats.device
-        index = torch.from_numpy(positions // CHUNK * FEATURES_PER_WINDOW + positions % CHUNK // 2).to(device)
-        even = torch.from_numpy(positions % 2 == 0).to(device)
-        picked = self.feats[slot].reshape(-1, self.feats.shape[-1])[index]
-        return torch.where(even[:, None], picked, pad.to(picked.dtype))
+    def index(self, slot: int, positions: np.ndarray) -> np.ndarray:
+        """Flat feature index of post-prefix ``positions`` of ``slot``: feature j of window k at
+        10k+2j, -1 (the audio pad) at odd positions."""
+        per_slot = self.feats.shape[1] * FEATURES_PER_WINDOW
+        at = slot * per_slot + positions // CHUNK * FEATURES_PER_WINDOW + positions % CHUNK // 2
+        return np.where(positions % 2 == 0, at, -1)
+
+    def gather(self, index: Tensor, pad: Tensor) -> Tensor:
+        """The audio channel for a flat ``index`` of any shape (-1: ``pad``), shape ``index.shape + (H,)``."""
+        flat = self.feats.reshape(-1, self.feats.shape[-1])
+        picked = flat[index.clamp(min=0)]
+        return torch.where((index >= 0)[..., None], picked, pad.to(picked.dtype))
 
     def shift(self, slot: int, windows: int, used: int) -> None:
         """Drop the first ``windows`` of the ``used`` windows of ``slot``."""
@@ -83,6 +91,10 @@ class SlideJob:
             return self.prefix_len - 1
         return self.prefix_len + fed - shift
 
+    def steps_left(self, decided: int) -> int:
+        """Window steps until the slide point, this one included (<= 0: past it, late)."""
+        return (self.plan.swap_at - decided) // CHUNK + 1
+
     def rewind(self, position: int) -> None:
         """Conversation position ``position`` was rewritten before it was fed (a response stopped at
         a window boundary): the staged position before it saw the old token as its merge's "next
@@ -95,50 +107,119 @@ class SlideJob:
         return decided >= self.plan.swap_at and self.staged == self.target(decided, fed)
 
 
-class Slider:
-    """Runs slide jobs for the slots of a runner: staging rows, re-prefill chunks, the switch."""
+@dataclass
+class Piece:
+    """What one slot stages in a step: positions ``job.staged .. hi - 1`` of its new context."""
 
-    def __init__(self, model: LycheeFD, store: FeatureStore, audio_pad: int):
+    job: SlideJob
+    slot: int
+    row: int  # its staging row
+    hi: int
+    text: list[int]
+    stoken: list[int]
+    control: list[int]
+
+    @property
+    def lo(self) -> int:
+        return self.job.staged
+
+
+@dataclass
+class SlideStats:
+    """What the slides of a runner cost and how they went: the last step's share, running totals."""
+
+    budget: int = 0  # positions per window step, every slot together (the policy's)
+    positions: int = 0  # re-prefilled in the last step, every slot (padding not counted)
+    computed: int = 0  # the same with the padding of batched forwards: never above the budget
+    pieces: int = 0  # slots that re-prefilled in the last step
+    forwards: int = 0  # forwards they took (fewer than pieces: batched)
+    switches: int = 0  # slides that took effect at the end of the last step
+    slides: int = 0  # since the runner started: slides that took effect
+    late: int = 0  # ... of them after their slide point (the budget went to nearer ones first)
+    fallbacks: int = 0  # slots that reached their end before their staging row was ready (reset)
+    most_computed: int = 0  # the largest ``computed`` of any step
+
+    def new_step(self) -> None:
+        self.positions = self.computed = self.pieces = self.forwards = self.switches = 0
+
+
+class Slider:
+    """The device side of the slides of a runner: staging forwards and the switch."""
+
+    def __init__(self, model: LycheeFD, store: FeatureStore, audio_pad: int, pad_ratio: float):
         self.model = model
         self.store = store
         self.audio_pad = audio_pad
+        self.pad_ratio = pad_ratio  # batches(): how much padded attention a batched forward may do
+
+    def stage(self, pieces: Sequence[Piece], spare: int) -> tuple[int, int]:
+        """Stage every piece, batched into as few forwards as ``batches`` allows with ``spare``
+        positions of padding; returns (positions computed, padding included; forwards)."""
+        groups = batches([(p.lo, p.hi) for p in pieces], spare, self.pad_ratio)
+        computed = 0
+        for group in groups:
+            chosen = [pieces[i] for i in group]
+            computed += padded([(p.lo, p.hi) for p in chosen])
+            self._forward(chosen)
+        return computed, len(groups)
 
     @torch.no_grad()
-    def advance(self, job: SlideJob, slot: int, staging_row: int, text: list[int], stoken: list[int],
-                control: list[int], fed: int, budget: int) -> int:
-        """Feed up to ``budget`` more positions of the new context into ``staging_row``; returns how many.
+    def _forward(self, pieces: Sequence[Piece]) -> None:
+        """One forward over the pieces of several slots, one row each, into their staging rows.
 
-        Positions ``i < P`` of the new context are the prefix (text embedding only, as at open);
+        Positions ``i < P`` of a new context are the prefix (text embedding only, as at open);
         position ``P + j`` is conversation position ``shift + j`` with all four channels. Merge sees
-        the next position's text, as in a teacher-forced forward.
+        the next position's text, as in a teacher-forced forward. A row shorter than the longest is
+        padded at positions past its own end (garbage there is overwritten when those positions
+        are staged, and the switch copies only what is staged).
         """
-        lo = job.staged
-        hi = min(job.target(len(text), fed), lo + budget)
-        if hi <= lo:
-            return 0
-        model, p_len, shift = self.model, job.prefix_len, job.plan.shift
+        model = self.model
+        pieces = sorted(pieces, key=lambda p: p.row)
+        n = max(p.hi - p.lo for p in pieces)
+        far = max(p.hi for p in pieces)
+        # channels: text, stoken, control, next text, conversation (0/1), feature index, position, cache row
+        host = np.zeros((8, len(pieces), n), dtype=np.int64)
+        host[5] = -1
+        for r, p in enumerate(pieces):
+            job, lo, hi = p.job, p.lo, p.hi
+            p_len, shift = job.prefix_len, job.plan.shift
+            new = np.arange(lo, hi)
+            pre = new[new < p_len]
+            if pre.size:
+                ids = job.prefix_ids + p.text[shift:shift + 1]  # the prefix's last "next text": the first kept token
+                k = pre.size
+                host[0, r, :k] = ids[lo:lo + k]
+                host[3, r, :k] = ids[lo + 1:lo + 1 + k]
+            conv = new[new >= p_len] - p_len + shift  # conversation positions
+            if conv.size:
+                k0, a, b = pre.size, int(conv[0]), int(conv[-1]) + 1
+                host[0, r, k0:k0 + conv.size] = p.text[a:b]
+                host[1, r, k0:k0 + conv.size] = p.stoken[a:b]
+                host[2, r, k0:k0 + conv.size] = p.control[a:b]
+                host[3, r, k0:k0 + conv.size] = p.text[a + 1:b + 1]
+                host[4, r, k0:k0 + conv.size] = 1
+                host[5, r, k0:k0 + conv.size] = self.store.index(p.slot, conv)
+            host[6, r, :hi - lo] = new
+            # Padding past the row's end, never beyond the furthest end of the batch (or the row).
+            host[6, r, hi - lo:] = np.minimum(hi + np.arange(n - (hi - lo)), max(hi, far - 1))
+            host[7, r] = p.row
+        host[6] = np.minimum(host[6], model.max_seq - 1)
         device = model.lm_head.weight.device
+        # One upload; from pageable memory it is staged at once and never waits for the device.
+        dev = torch.from_numpy(host).to(device, non_blocking=True)
+        text, stoken, control, nxt, conv_mask, feat, pos, rows = dev
         e = model.embed_tokens
-        parts: list[Tensor] = []
-        nxt: list[int] = []
-        if lo < p_len:
-            ids = job.prefix_ids[lo:min(hi, p_len)]
-            parts.append(e(torch.tensor(ids, device=device)))
-            nxt += [job.prefix_ids[i + 1] if i + 1 < p_len else text[shift] for i in range(lo, lo + len(ids))]
-        if hi > p_len:
-            a, b = shift + max(lo, p_len) - p_len, shift + hi - p_len
-            channels = torch.tensor([text[a:b], stoken[a:b], control[a:b]], device=device)
-            audio = self.store.channel(slot, np.arange(a, b), e.weight[self.audio_pad])
-            parts.append(model.embed_channels(channels[0][None], channels[1][None], channels[2][None],
-                                              audio[None])[0])
-            nxt += text[a + 1:b + 1]
-        x = torch.cat(parts)[None]
-        pos = torch.arange(lo, hi, device=device)[None]
-        rows = torch.tensor([staging_row], device=device)
-        # Keys only up to the chunk's end: the masked rest of the row is never read.
-        model.forward_positions(x, e(torch.tensor([nxt], device=device)), model.context(pos, rows, key_len=hi))
-        job.staged = hi
-        return hi - lo
+        audio = self.store.gather(feat, e.weight[self.audio_pad])
+        both = model.embed_channels(text, stoken, control, audio)
+        x = torch.where(conv_mask.bool()[..., None], both, e(text))
+        key_len = int(host[6].max()) + 1  # keys up to the furthest position: the rest of the row is never read
+        first = pieces[0].row
+        # Consecutive staging rows (slots side by side, or one slot) are read as a view, not gathered.
+        consecutive = [p.row for p in pieces] == list(range(first, first + len(pieces)))
+        where = slice(first, first + len(pieces)) if consecutive else rows[:, 0]
+        model.forward_positions(x, e(nxt), model.context(pos, where, key_len=key_len))
+        for p in pieces:
+            p.job.staged = p.hi
 
     def switch(self, job: SlideJob, slot: int, staging_row: int, rule_rows: RuleRows, decided: int, window: int,
                stoken_pad: int) -> None:

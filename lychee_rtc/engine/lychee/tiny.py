@@ -317,9 +317,7 @@ def run(args: argparse.Namespace) -> int:
     spec = TinySpec(decision_bias=args.decision_bias)
     path = write_tiny_checkpoint(args.out, seed=args.seed, spec=spec, dtype=parse_dtype(args.dtype))
     print(f"wrote tiny Lychee-FD checkpoint to {path}")
-    # A CPU re-prefills a slide's context in smaller pieces than a GPU (docs/lychee_fd.md).
-    lychee = {"model_root": str(path), "device": "cpu", "dtype": "fp32", "torch_threads": 1,
-              "context_prefill_chunk": 64}
+    lychee = {"model_root": str(path), "device": "cpu", "dtype": "fp32", "torch_threads": 1}
     if not args.no_vocoder:
         from lychee_rtc.vocoder.token2wav.tiny import write_tiny_vocoder
 

@@ -1,0 +1,94 @@
+"""How one window step's re-prefill budget is shared by the slides in progress, and how their
+pieces are batched into forwards.
+
+Pure functions of small integers (positions, window steps), so that what the runner does in a
+step can be checked exhaustively in tests.
+
+* **Pace.** A slide's re-prefill can stage only positions whose inputs are known: the new prefix,
+  then every kept position the live slot has already fed; ten more become known per window step.
+  It aims to have caught up with its live slot ``RESERVE_STEPS`` window steps before the slide
+  point, spreading the backlog and the growth until then evenly over the steps left, so a slide
+  costs about the same small share of every step from one slide to the next instead of a burst.
+  A piece is never smaller than ``least`` positions (the slide's steady rate) before that point: a
+  slide that only keeps up with its slot (ten positions a step) waits until it has that many, so
+  a forward's fixed cost (weights read, kernels launched) is paid once per ``least`` positions.
+* **Share.** The slides take their pace in order of their slide points, earliest first (earliest
+  deadline first); the budget caps the step's sum whatever the number of slides in progress. A
+  slide that fell behind (the budget went to a nearer one) has a larger pace in the next step.
+* **Batch.** The pieces of a step go into as few forwards as possible: a forward over several
+  pieces has one row per piece, each as long as the longest (the shorter padded at positions past
+  their own end, where nothing staged lives yet), its attention reading keys up to the furthest
+  end. A piece joins a forward only when the padding it adds fits in what the step did not grant
+  (so what a step computes, padding included, never exceeds the budget) and, on a CPU, when the
+  forward's attention area stays within ``pad_ratio`` times the pieces' own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .context import CHUNK, RESERVE_STEPS
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A slide in progress, as the step's share sees it."""
+
+    slot: int
+    steps_left: int  # window steps until its slide point, this one included (<= 0: late)
+    known: int  # positions whose inputs are known and are not staged yet
+
+
+def pace(known: int, steps_left: int, reserve: int = RESERVE_STEPS, least: int = 0) -> int:
+    """Positions to stage in this step: the backlog ``known`` plus the ten positions each later
+    step brings, spread over the steps until ``reserve`` steps before the slide point (all of the
+    backlog once there, or late); before that, ``least`` at least, or nothing while fewer are known."""
+    k = max(1, steps_left - reserve)
+    if k == 1:
+        return max(0, known)
+    g = known if known <= CHUNK else min(known, -(-(known + CHUNK * (k - 1)) // k))
+    if g < least:
+        return least if known >= least else 0
+    return g
+
+
+def share(claims: Sequence[Claim], budget: int, least: int = 0) -> list[int]:
+    """Each claim's grant for this step, in the claims' order: paces (pieces of ``least`` at
+    least) taken earliest slide point first (then by slot, for determinism), their sum capped at
+    ``budget``."""
+    grants = [0] * len(claims)
+    left = budget
+    for i in sorted(range(len(claims)), key=lambda i: (claims[i].steps_left, claims[i].slot)):
+        grants[i] = min(pace(claims[i].known, claims[i].steps_left, least=least), left)
+        left -= grants[i]
+    return grants
+
+
+def batches(pieces: Sequence[tuple[int, int]], spare: int, pad_ratio: float) -> list[list[int]]:
+    """Indices of ``pieces`` (``(lo, hi)`` positions of each slot's new context) grouped into
+    forwards. ``spare``: positions of the budget left ungranted, what padding may use;
+    ``pad_ratio``: the most a forward's attention area (rows x length x keys) may exceed its
+    pieces' own (``inf``: no limit, for a device on which a forward's fixed cost dominates)."""
+    order = sorted(range(len(pieces)), key=lambda i: (pieces[i][1], pieces[i][1] - pieces[i][0]))
+    groups: list[list[int]] = []
+    for i in order:
+        lo, hi = pieces[i]
+        if groups:
+            group = groups[-1]
+            sizes = [pieces[j][1] - pieces[j][0] for j in group]
+            longest = max(max(sizes), hi - lo)
+            useful = sum(sizes) + hi - lo
+            added = (len(group) + 1) * longest - useful - (len(group) * max(sizes) - sum(sizes))
+            own = sum(n * pieces[j][1] for n, j in zip(sizes, group)) + (hi - lo) * hi
+            if added <= spare and (len(group) + 1) * longest * hi <= pad_ratio * own:
+                group.append(i)
+                spare -= added
+                continue
+        groups.append([i])
+    return groups
+
+
+def padded(group: Sequence[tuple[int, int]]) -> int:
+    """Positions a forward over these pieces computes, padding included."""
+    return len(group) * max(hi - lo for lo, hi in group)
