@@ -37,7 +37,7 @@ frames back into the window the engine has not heard yet, docs/echo.md).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -158,6 +158,9 @@ class AudioProcessingStage:
         if self.unavailable:
             out["unavailable"] = self.unavailable
         return out
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.describe(), "counters": asdict(self.counters)}
 
     def configure(self, settings: AudioProcessing) -> np.ndarray:
         held = self._flush_held()

@@ -41,7 +41,7 @@ class SessionInfo:
             "state": self.state,
             "epoch": self.epoch,
             "engine": self.engine_name,
-            **({"audio_processing": self.processing.describe()} if self.processing is not None else {}),
+            **({"audio_processing": self.processing.snapshot()} if self.processing is not None else {}),
             "active_response": self.responses.active,
             "age_s": round(self.clock() - self.created_at, 3),
             **({"recording": self.recording.snapshot()} if self.recording is not None else {}),

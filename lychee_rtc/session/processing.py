@@ -25,6 +25,9 @@ class UplinkProcessing(Protocol):
     def describe(self) -> dict[str, Any]:
         """What is active, for the session's events."""
 
+    def snapshot(self) -> dict[str, Any]:
+        """``describe`` and the stage's counters, for an operator's view of the session."""
+
     def configure(self, settings: AudioProcessing) -> np.ndarray:
         """Switch stages on or off; returns the audio it still held (to hand on before what follows).
         Raises ProcessingUnavailable if a stage is asked for and cannot run."""
