@@ -12,6 +12,7 @@ from itertools import combinations
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from lychee_rtc.engine.base import Control, ControlKind, SessionOptions
 from lychee_rtc.engine.lychee.backend import LycheeEngineSettings, SettingsError
@@ -22,7 +23,9 @@ from lychee_rtc.engine.lychee.graphs import (
     bucket_for,
     bucket_sizes,
     fetch,
+    gathered_rows,
     use_cuda_graphs,
+    window_starts,
 )
 from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
 from lychee_rtc.engine.lychee.slot import Mode
@@ -104,21 +107,49 @@ def test_bucket_sizes_and_selection():
         bucket_sizes(0)
 
 
-def test_padding_rows_never_touch_an_open_slot():
-    assert batch_rows([0, 1, 2], 4, busy={0, 1, 2}, scratch=4) == BatchRows((0, 1, 2, 3), True)
-    assert batch_rows([0, 1, 2], 4, busy={0, 1, 2, 3}, scratch=4) == BatchRows((0, 1, 2, 4, ), False)
-    assert batch_rows([1, 2, 3], 4, busy={1, 2, 3}, scratch=4) == BatchRows((1, 2, 3, 4), False)
-    assert batch_rows([0, 1], 2, busy={0, 1, 3}, scratch=4) == BatchRows((0, 1), True)
-    # Every group of open slots of a 4-slot runner: padding only ever uses free rows or the scratch.
+def test_batches_read_their_rows_in_place_where_a_window_allows():
+    b4 = bucket_sizes(4)
+    assert batch_rows([0, 1, 2], b4, busy={0, 1, 2}, scratch=4) == BatchRows((0, 1, 2, 3), (0, 1, 2), 0)
+    # Slot 3 is open: its row takes the padding only if it may (it is "spare"), else gather.
+    assert batch_rows([0, 1, 2], b4, busy={0, 1, 2, 3}, scratch=4) == BatchRows((0, 1, 2, 4), (0, 1, 2), None)
+    assert batch_rows([0, 1, 2], b4, busy={0, 1, 2, 3}, scratch=4, spare={3}) == BatchRows((0, 1, 2, 3), (0, 1, 2), 0)
+    # A gap: three speaking slots 0, 1, 3 run as rows 0..3 in place, each in its own row.
+    assert batch_rows([0, 1, 3], b4, busy={0, 1, 2, 3}, scratch=4, spare={2}) == BatchRows((0, 1, 2, 3), (0, 1, 3), 0)
+    assert batch_rows([3, 0], b4, busy={0, 3}, scratch=4) == BatchRows((0, 1, 2, 3), (3, 0), 0)
+    assert batch_rows([2], b4, busy={0, 1, 2, 3}, scratch=4) == BatchRows((2,), (0,), 2)
+    assert batch_rows([2, 3], b4, busy={2, 3}, scratch=4) == BatchRows((2, 3), (0, 1), 2)
+    assert batch_rows([0, 1], b4, busy={0, 1, 3}, scratch=4) == BatchRows((0, 1), (0, 1), 0)
+    # No aligned window of two holds slots 1 and 2: the bucket of four does (its padding is free).
+    assert batch_rows([1, 2], b4, busy={1, 2}, scratch=4) == BatchRows((0, 1, 2, 3), (1, 2), 0)
+    assert batch_rows([1, 2], b4, busy={0, 1, 2}, scratch=4) == BatchRows((1, 2), (0, 1), None)
+    # The scratch row may be the padding of a window; staging rows after it never are.
+    assert window_starts(1, 4) == range(0, 5) and window_starts(2, 4) == range(0, 4, 2)
+    assert list(window_starts(4, 4)) == [0] and list(window_starts(5, 5)) == [0]
+    with pytest.raises(ValueError, match="twice"):
+        batch_rows([1, 1], b4, busy={1}, scratch=4)
+
+
+def test_padding_rows_never_touch_an_open_slot_that_is_not_spare():
+    # Every group of open slots of a 4-slot runner, whichever open slots may lend their rows:
+    # each real slot runs in its own row, padding uses free rows, the scratch row or spare rows.
     for n_open in range(1, 5):
         for busy in combinations(range(4), n_open):
-            for n in range(1, n_open + 1):
-                for slots in combinations(busy, n):
-                    b = bucket_for(n, bucket_sizes(4))
-                    rows = batch_rows(list(slots), b, set(busy), scratch=4)
-                    assert rows.rows[:n] == slots and rows.size == b
-                    assert not set(rows.rows[n:]) & set(busy)
-                    assert rows.contiguous == (rows.rows == tuple(range(b)))
+            for n_spare in range(len(busy) + 1):
+                for spare in combinations(busy, n_spare):
+                    for n in range(1, n_open + 1):
+                        for slots in combinations(busy, n):
+                            rows = batch_rows(list(slots), bucket_sizes(4), set(busy), 4, set(spare))
+                            assert tuple(rows.rows[r] for r in rows.real) == slots
+                            assert rows.size in bucket_sizes(4) and rows.size >= n
+                            padding = {rows.rows[r] for r in rows.padding()}
+                            assert not padding & (set(busy) - set(spare) - set(slots))
+                            if rows.contiguous:
+                                assert rows.rows == tuple(range(rows.start, rows.start + rows.size))
+                                assert rows.start % rows.size == 0 and rows.rows[-1] <= 4
+                            else:
+                                assert rows.size == bucket_for(n, bucket_sizes(4)) and padding <= {4}
+                            if not set(busy) - set(spare) - set(slots):  # nothing in the way
+                                assert rows.contiguous
 
 
 def test_fetch_brings_ids_and_probabilities_back_exactly():
@@ -133,14 +164,14 @@ def test_three_sessions_in_bucket_four_match_teacher_forced_scoring(model, tok):
     """Greedy streams of three speaking sessions padded to a bucket of four are the model's
     own argmax at every freely decided position (the reference semantics, no runner code)."""
     r = LycheeRunner(model, tok, 4, RunnerSettings(max_seq=512, **GREEDY))
-    slots = [0, 1, 3]  # row 2 is free but not after the batch: padding goes to the scratch row
+    slots = [0, 1, 3]  # row 2 is free: the batch is rows 0..3 read in place, row 2 the padding
     wins = {s: windows(8, 40 + s) for s in slots}
     for s in slots:
         r.open(s, SessionOptions())
         r.apply_controls(s, COMMIT)
     for k in range(8):
         r.step([(s, wins[s][k], 0) for s in slots])
-    assert ("speak", 10, 4, False) in r.programs and ("listen", 9, 4, False) in r.programs
+    assert ("speak", 10, 4, 0) in r.programs and ("listen", 9, 4, 0) in r.programs
     st = r.tok
     for s in slots:
         state = r.slots[s]
@@ -163,29 +194,88 @@ def test_three_sessions_in_bucket_four_match_teacher_forced_scoring(model, tok):
         assert checked > 20, s
 
 
+class GatheringRunner(LycheeRunner):
+    """The runner with its fallback layout everywhere: every batch's rows gathered."""
+
+    def _batch_rows(self, slots):
+        return gathered_rows(slots, self.buckets, self.scratch)
+
+
 def test_padded_rows_do_not_change_real_rows(model, tok):
     """C3 in bucket 4 gives exactly the streams of a 3-slot runner (bucket 3, no padding), sampled
-    speech included, whether the padding row is the free row 3 or the scratch row."""
+    speech included, whether the padding row is the free row 3, the top of an open slot's row 3,
+    or the scratch row of a gathered batch."""
     settings = RunnerSettings(max_seq=512, max_speech_tokens=10**6)
     speakers = {s: (0, 7) for s in range(3)}
     exact = drive(LycheeRunner(model, tok, 3, settings), speakers, 7, speak={0, 1, 2})
 
     r = LycheeRunner(model, tok, 4, settings)
     assert drive(r, speakers, 7, speak={0, 1, 2}) == exact
-    assert ("speak", 10, 4, True) in r.programs  # padded into row 3, which no session owns
+    assert ("speak", 10, 4, 0) in r.programs  # padded into row 3, which no session owns
 
-    r = LycheeRunner(model, tok, 4, settings)
-    mixed = drive(r, speakers | {3: (0, 7)}, 7, speak={0, 1, 2})  # slot 3 open and listening
-    assert ("speak", 10, 4, False) in r.programs  # so the padding row is the scratch row
-    assert {s: mixed[s] for s in range(3)} == exact
     alone = drive(LycheeRunner(model, tok, 4, settings), {3: (0, 7)}, 7, speak=set())
-    assert mixed[3] == alone[3]  # the listening slot never saw the padding
+    for runner, layout in ((LycheeRunner, 0), (GatheringRunner, None)):
+        r = runner(model, tok, 4, settings)
+        mixed = drive(r, speakers | {3: (0, 7)}, 7, speak={0, 1, 2})  # slot 3 open and listening
+        assert ("speak", 10, 4, layout) in r.programs
+        assert {s: mixed[s] for s in range(3)} == exact
+        assert mixed[3] == alone[3]  # the listening slot never saw the padding
+
+
+def commit_at(r: LycheeRunner, commits: dict[int, int], n: int, seed: int):
+    """All slots of ``commits`` open at window 0; slot s is sent ``COMMIT`` before window commits[s]."""
+    wins = {s: windows(n, seed + s) for s in commits}
+    for s in commits:
+        r.open(s, SessionOptions(seed=11 + s))
+    for k in range(n):
+        for s, at in commits.items():
+            if k == at:
+                r.apply_controls(s, COMMIT)
+        r.step([(s, wins[s][k], 0) for s in commits])
+    return {s: (list(r.slots[s].text), list(r.slots[s].stoken), list(r.slots[s].control)) for s in commits}
+
+
+def live_state(r: LycheeRunner, s: int) -> tuple[list[int], list[Tensor]]:
+    """Slot s's speech history (the no-repeat rule's) and its cache rows up to its live length."""
+    st = r.slots[s]
+    n = st.prefix_len + st.fed
+    return (r.rule_rows.history[s, :len(st.stoken)].tolist(),
+            [c.k_cache[s, :, :n].clone() for c in r.model.caches()] + [c.v_cache[s, :, :n].clone()
+                                                                          for c in r.model.caches()])
+
+
+def test_a_batch_with_a_gap_reads_rows_in_place_and_matches_each_session_alone(model, tok):
+    """Sessions 0, 1 and 3 speak while 2 listens (the common C4 window): the speaking batch runs in
+    place as rows 0..3 with row 2 as padding (at the top of its row, its rule state in the scratch
+    row), the listener as row 2 alone. Then 2 speaks too, its no-repeat rule reading the speech
+    history of the windows in which it lent its row. Every stream, sampled speech included, is the
+    one each session makes on its own, and the one of a runner that gathers every batch instead."""
+    settings = RunnerSettings(max_seq=512, max_speech_tokens=10**6)
+    commits = {0: 0, 1: 0, 2: 8, 3: 0}
+    r = LycheeRunner(model, tok, 4, settings)
+    mixed = commit_at(r, commits, 14, seed=60)
+    state = {s: live_state(r, s) for s in commits}
+    assert ("speak", 10, 4, 0) in r.programs and ("listen", 10, 1, 2) in r.programs
+    assert not any(key[3] is None for key in r.programs)  # nothing was gathered
+    # 0, 1 and 3 spoke from the second window on, 2 from the tenth.
+    speech = {s: [c != r.tok.stoken_pad for c in mixed[s][1]] for s in commits}
+    assert not any(speech[2][:80]) and sum(speech[2][80:]) > 20, speech[2]
+    assert all(sum(speech[s][10:80]) > 20 for s in (0, 1, 3))
+    for s, at in commits.items():
+        one = LycheeRunner(model, tok, 4, settings)
+        alone = commit_at(one, {s: at}, 14, seed=60)
+        assert mixed[s] == alone[s], s
+        history, rows = live_state(one, s)  # the device state too, not only what it decided
+        assert state[s][0] == history, s
+        for got, want in zip(state[s][1], rows):  # batch shapes change float rounding, nothing more
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert commit_at(GatheringRunner(model, tok, 4, settings), commits, 14, seed=60) == mixed
 
 
 def test_slots_joining_and_leaving_keep_every_stream_intact(model, tok):
     settings = RunnerSettings(max_seq=512, max_speech_tokens=10**6)
     # Slot 1 speaks throughout; 0 joins late, 2 leaves early and 3 joins in its place: the batch
-    # moves between buckets 1, 2 and 4 and between contiguous and scratch padding.
+    # moves between buckets 1, 2 and 4 and between windows of rows and their padding.
     plan = {1: (0, 9), 0: (3, 9), 2: (0, 4), 3: (5, 9)}
     r = LycheeRunner(model, tok, 4, settings)
     mixed = drive(r, plan, 9, speak={0, 1, 2, 3})

@@ -124,7 +124,7 @@ def prefill(model: LycheeFD, ids: list[int], row: int, text_pad: int) -> None:
 
 
 def listen_window(model: LycheeFD, rules: DecodeRules, text: Tensor, stoken: Tensor, control: Tensor,
-                  audio: Tensor, input_pos: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+                  audio: Tensor, input_pos: Tensor, rows: Tensor | slice | None) -> tuple[Tensor, Tensor]:
     """Feed a window's positions to every stack; decide between S-S and K-L at the end.
 
     Text is forced to <|TextPad|> while listening, so the merge branch's "next text" is known for
@@ -139,7 +139,7 @@ def listen_window(model: LycheeFD, rules: DecodeRules, text: Tensor, stoken: Ten
 
 
 def speak_step(model: LycheeFD, rules: DecodeRules, state: RuleRows, j: int, cur: Tensor, audio: Tensor,
-               pos: Tensor, hist_len: Tensor, rows_t: Tensor, rows: Tensor | None, text_rule: TextRuleState,
+               pos: Tensor, hist_len: Tensor, rows_t: Tensor, rows: Tensor | slice | None, text_rule: TextRuleState,
                speech_rule: SpeechRuleState, ended: Tensor, temperature: Tensor, noise: Tensor):
     """Feed one position per row (tokens ``cur`` (B, 3)) at window slot ``j``, decide the next.
 
@@ -184,7 +184,7 @@ def speak_step(model: LycheeFD, rules: DecodeRules, state: RuleRows, j: int, cur
 
 
 def speak_window(model: LycheeFD, rules: DecodeRules, state: RuleRows, pending: Tensor, audio: Tensor,
-                 base_pos: Tensor, hist_len: Tensor, rows_t: Tensor, rows: Tensor | None, temperature: Tensor,
+                 base_pos: Tensor, hist_len: Tensor, rows_t: Tensor, rows: Tensor | slice | None, temperature: Tensor,
                  noise: Tensor) -> tuple[Tensor, Tensor]:
     """Ten decode steps for B speaking rows. Returns tokens (B, 10, 3) and slot-9 probabilities."""
     text_rule, speech_rule = state.gather(rows_t)

@@ -9,11 +9,20 @@ eager and the graph path run the same code on the same buffers; only capture/rep
 :class:`WindowPrograms` is a runner's cache of these programs (one per kind, length and bucket),
 built from the decode functions of ``decode.py``.
 
-Padding rows must never touch a live session's caches. They use the rows right after the batch
-when those rows belong to no open slot (the batch is then cache rows ``0..b-1`` and attention reads
-the caches as views, the fast path), else one *scratch* row (index ``max_sessions``) that no slot
-owns; several padding rows may write it at once, and whatever ends up there is never read by a real
-row.
+Attention reads a batch's cache rows in place when the batch is a *window* of consecutive rows
+``start..start+b-1`` (``start`` a multiple of ``b``): each real slot runs in its own row, and the
+window's other rows are padding. Otherwise it must gather the rows, a copy of every layer's whole
+rows (``max_seq`` positions) per forward, which costs as much as the attention itself; so a batch
+takes the smallest bucket that has such a window (three speaking slots 0, 1, 3 run as rows 0..3, a
+lone slot 2 as row 2) and is gathered only when none fits.
+
+Padding rows never change what a live session reads. A padding row in a window is a free row, the
+*scratch* row (index ``max_sessions``, owned by no slot), or the row of an open slot that is not in
+this batch: it then writes keys only at the top ``T`` positions of that row, which the runner allows
+only while the slot's conversation ends at least a window below them; such positions are never read
+before the slot itself feeds them (attention is causal), so what the padding left there is
+overwritten first. Padding rows keep their rule state (speech history, counters) in the scratch
+row. A gathered batch pads with the scratch row, which several padding rows may write at once.
 
 Why hand-captured graphs rather than ``torch.compile(mode="reduce-overhead")``: the step keeps
 per-row state in plain tensors that the runner also reads and resets between windows, the capture
@@ -60,26 +69,57 @@ def bucket_for(n: int, sizes: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class BatchRows:
-    rows: tuple[int, ...]  # the cache row of every batch row: the real slots first, then padding
-    contiguous: bool  # rows == 0..b-1: the caches are read as views instead of gathered
+    rows: tuple[int, ...]  # the cache row of every batch row
+    real: tuple[int, ...]  # the batch row of each real slot, in the order the slots were given
+    start: int | None  # rows == start..start+b-1: the caches are read in place; None: gathered
 
     @property
     def size(self) -> int:
         return len(self.rows)
 
+    @property
+    def contiguous(self) -> bool:
+        return self.start is not None
 
-def batch_rows(slots: Sequence[int], bucket: int, busy: Collection[int], scratch: int) -> BatchRows:
-    """Cache rows for the real ``slots`` padded to ``bucket`` rows.
+    def padding(self) -> list[int]:
+        """Batch rows that hold no real slot."""
+        real = set(self.real)
+        return [r for r in range(self.size) if r not in real]
 
-    ``busy`` holds every open slot (whose rows padding must not touch); ``scratch`` is the row that
-    belongs to nobody.
+
+def window_starts(bucket: int, scratch: int) -> range:
+    """First rows of the windows a bucket may read in place: aligned to the bucket, within the
+    slot rows and the scratch row (the staging rows after it belong to slides)."""
+    return range(0, scratch + 2 - bucket, bucket)
+
+
+def batch_rows(slots: Sequence[int], buckets: Sequence[int], busy: Collection[int], scratch: int,
+               spare: Collection[int] = ()) -> BatchRows:
+    """Cache rows for the real ``slots``: the smallest bucket with a window that holds them all and
+    whose other rows are free, the scratch row, or ``spare``; else gathered, padded with the scratch.
+
+    ``busy`` holds every open slot; ``spare`` those whose rows padding may write at their top
+    positions (the runner's rule: their conversation ends well below them).
     """
     n = len(slots)
-    if n > bucket:
-        raise ValueError(f"{n} slots do not fit a bucket of {bucket}")
-    if list(slots) == list(range(n)) and not any(r in busy for r in range(n, bucket)):
-        return BatchRows(tuple(range(bucket)), True)
-    return BatchRows(tuple(slots) + (scratch,) * (bucket - n), False)
+    if len(set(slots)) != n:
+        raise ValueError(f"a slot appears twice in {list(slots)}")
+    taken = set(busy) - set(spare) - set(slots)
+    for b in buckets:
+        if b < n:
+            continue
+        for start in window_starts(b, scratch):
+            window = range(start, start + b)
+            if all(s in window for s in slots) and not taken & set(window):
+                return BatchRows(tuple(window), tuple(s - start for s in slots), start)
+    return gathered_rows(slots, buckets, scratch)
+
+
+def gathered_rows(slots: Sequence[int], buckets: Sequence[int], scratch: int) -> BatchRows:
+    """The fallback layout: the slots' rows gathered, padded with the scratch row."""
+    n = len(slots)
+    b = bucket_for(n, buckets)
+    return BatchRows(tuple(slots) + (scratch,) * (b - n), tuple(range(n)), None)
 
 
 def use_cuda_graphs(mode: str, device: torch.device) -> bool:
@@ -188,7 +228,8 @@ class Program:
 
 
 class WindowPrograms:
-    """The listening and speaking programs of one runner, keyed by (kind, positions, bucket, contiguous).
+    """The listening and speaking programs of one runner, keyed by (kind, positions, bucket, start)
+    (``start`` None: the gathering program of that bucket).
 
     Each program owns its buffers; :meth:`capture` records the steady-state ones as CUDA graphs
     before any slot opens, :meth:`run` fills the audio channel and runs (or replays) one.
@@ -203,14 +244,16 @@ class WindowPrograms:
         self.scratch = scratch
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        self.programs: dict[tuple[str, int, int, bool], Program] = {}
+        self.programs: dict[tuple[str, int, int, int | None], Program] = {}
+        # kinds x lengths (a listening group's first window, the steady one) x buckets x layouts
+        self.max_programs = 4 * sum(len(window_starts(b, scratch)) + 1 for b in self.buckets)
         self.use_graphs = use_graphs  # False replays nothing (eager), e.g. to compare
 
     def get(self, kind: str, positions: int, rows: BatchRows) -> Program:
-        key = (kind, positions, rows.size, rows.contiguous)
+        key = (kind, positions, rows.size, rows.start)
         prog = self.programs.get(key)
         if prog is None:
-            if len(self.programs) >= 8 * len(self.buckets):  # bounded: kinds x lengths x buckets x 2
+            if len(self.programs) >= self.max_programs:
                 raise RuntimeError(f"unexpected program shape {key}")
             prog = self._new(kind, positions, rows)
             self.programs[key] = prog
@@ -224,7 +267,7 @@ class WindowPrograms:
         row_t = torch.tensor(rows.rows, device=dev)
         audio = torch.zeros((b, positions, h), dtype=self.dtype, device=dev)
         audio_idx = torch.full((b, positions), -1, dtype=torch.long, device=dev)
-        cache_rows = None if rows.contiguous else row_t
+        cache_rows = row_t if rows.start is None else slice(rows.start, rows.start + b)
         if kind == "listen":
             pads = torch.tensor([t.text_pad, t.stoken_pad, t.sleep], device=dev)
             lb = ListenBuffers(tokens=pads[None, :, None].repeat(b, 1, positions).contiguous(), audio=audio,
@@ -256,22 +299,23 @@ class WindowPrograms:
         A listening group's first window (9 positions, once per conversation) stays eager."""
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
-            for contiguous in (True, False):
-                rows = BatchRows(tuple(range(b)) if contiguous else (self.scratch,) * b, contiguous)
+            layouts = [BatchRows(tuple(range(s, s + b)), (), s) for s in window_starts(b, self.scratch)]
+            for rows in layouts + [BatchRows((self.scratch,) * b, (), None)]:
                 for kind in ("speak", "listen"):
                     with torch.no_grad():
                         self.get(kind, CHUNK, rows).run.capture(pool)
-        # Rows 0..b-1 and the scratch row now hold warm-up values: clear them for their owners.
+        # The slot rows and the scratch row now hold warm-up values: clear them for their owners.
         self.model.reset_rows(list(range(self.scratch + 1)))
         self.rule_rows.reset(slice(None), self.rules.tok.stoken_pad)
         log.info("captured %d CUDA graphs (buckets %s)", len(self.programs), list(self.buckets))
 
-    def run(self, prog: Program, feats: Tensor, n: int) -> list[Tensor]:
-        """Fill the audio channel, run (or replay) the program, keep the first ``n`` rows."""
+    def run(self, prog: Program, feats: Tensor, rows: BatchRows) -> list[Tensor]:
+        """Fill the audio channel, run (or replay) the program, keep the real rows (in slot order)."""
         buf = prog.buffers
         pad = self.model.embed_tokens.weight[self.rules.tok.audio_pad]
         picked = feats[buf.audio_idx.clamp(min=0)].to(pad.dtype)
         buf.audio.copy_(torch.where((buf.audio_idx >= 0)[..., None], picked, pad))
         out = prog.run() if self.use_graphs else prog.run.fn()
         # Graph outputs are overwritten by the next replay: copy the real rows out.
-        return [out[0][:n].clone(), out[1][:n].clone()]
+        real = list(rows.real)
+        return [out[0][real], out[1][real]]  # indexing copies

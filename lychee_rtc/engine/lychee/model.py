@@ -46,8 +46,9 @@ class KVCache(nn.Module):
         the rows' keys and values at positions ``0..key_len-1`` (all of them by default).
 
         ``rows=None`` means the batch is rows 0..B-1 in order, a ``slice`` rows ``start..start+B-1``:
-        the cache is then read as a view (no gather), which is the fast path a full, static batch
-        always takes (and a slide's re-prefill of consecutive staging rows).
+        the cache is then read as a view (no gather), which is the fast path the window programs take
+        wherever a window of rows holds their slots (``graphs.batch_rows``), and a slide's
+        re-prefill of consecutive staging rows.
         """
         b = k.shape[0]
         first = 0 if rows is None else rows.start if isinstance(rows, slice) else None

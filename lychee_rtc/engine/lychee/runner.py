@@ -33,8 +33,9 @@ nearest slide first, the pieces of all slots in one batched forward where their 
 the slide point that row replaces the slot's and the slot goes on at the new positions. ``max_seq``
 positions per slot, whatever the conversation's length.
 
-Static shapes (``graphs.py``): each group's batch is padded to a bucket (1, 2, 4, 8, ...) and its
-inputs are copied into that bucket's fixed buffers; the listening forward and the speaking window
+Static shapes (``graphs.py``): each group's batch is padded to a bucket (1, 2, 4, 8, ...), laid
+out so that its slots' cache rows are read in place wherever a window of rows allows, and its
+inputs are copied into that program's fixed buffers; the listening forward and the speaking window
 (all ten decode steps) are functions of those buffers, replayed as CUDA graphs on a GPU and called
 eagerly elsewhere. Every group of a step is launched first; the results of all of them come back
 to the host in one transfer at the end of the step.
@@ -62,7 +63,6 @@ from .graphs import (
     SpeakBuffers,
     WindowPrograms,
     batch_rows,
-    bucket_for,
     bucket_sizes,
     fetch,
     use_cuda_graphs,
@@ -176,7 +176,7 @@ class LycheeRunner:
             self.window_programs.capture()
 
     @property
-    def programs(self) -> dict[tuple[str, int, int, bool], Program]:
+    def programs(self) -> dict[tuple[str, int, int, int | None], Program]:
         return self.window_programs.programs
 
     @property
@@ -297,12 +297,13 @@ class LycheeRunner:
         launched: list[tuple[str, list[int], int]] = []
         outs: list[Tensor] = []
         for group in self._by_length(states, listen):
-            prog, n = self._launch_listen(group, states)
+            prog, rows, n = self._launch_listen(group, states)
             launched.append(("listen", group, n))
-            outs += self.window_programs.run(prog, feats, len(group))
+            outs += self.window_programs.run(prog, feats, rows)
         if speak:
             launched.append(("speak", speak, CHUNK))
-            outs += self.window_programs.run(self._launch_speak(speak, states), feats, len(speak))
+            prog, rows = self._launch_speak(speak, states)
+            outs += self.window_programs.run(prog, feats, rows)
         host = fetch(outs)
         for k, (kind, group, n) in enumerate(launched):
             for i, first, probs in zip(group, host[2 * k], host[2 * k + 1]):
@@ -364,8 +365,18 @@ class LycheeRunner:
         return list(groups.values())
 
     def _batch_rows(self, slots: list[int]) -> BatchRows:
-        busy = {i for i, s in enumerate(self.slots) if s is not None}
-        return batch_rows(slots, bucket_for(len(slots), self.buckets), busy, self.scratch)
+        """The batch's cache rows (``graphs.batch_rows``). An open slot outside the batch lends its
+        row to padding only while its conversation, after this step has fed up to a window more,
+        still ends a window below the top positions that padding writes."""
+        busy = {i: s for i, s in enumerate(self.slots) if s is not None}
+        spare = [i for i, s in busy.items() if s.prefix_len + len(s.text) + 2 * CHUNK <= self.settings.max_seq]
+        return batch_rows(slots, self.buckets, busy, self.scratch, spare)
+
+    def _state_rows(self, rows: BatchRows, slots: list[int]) -> np.ndarray:
+        """Rule-state rows of a batch: each slot's own; padding keeps its state in the scratch row."""
+        out = np.full(rows.size, self.scratch, dtype=np.int64)
+        out[list(rows.real)] = slots
+        return out
 
     def _upload(self, dst: Tensor, src: np.ndarray) -> None:
         # From pageable memory the copy is staged at once and never waits for the device.
@@ -377,47 +388,50 @@ class LycheeRunner:
         return [5 * item + (p - start) // 2 if p >= start and p % 2 == 0 else -1
                 for p in range(state.fed, state.fed + n)]
 
-    def _launch_listen(self, group: list[int], states: list[SlotState]) -> tuple[Program, int]:
+    def _launch_listen(self, group: list[int], states: list[SlotState]) -> tuple[Program, BatchRows, int]:
         """Fill a listening program's buffers for one group (same number of positions to feed)."""
         t = self.tok
         batch = [states[i] for i in group]
         for s in batch:
             self.machine.pad_listening(s)
         n = len(batch[0].text) - batch[0].fed
-        rows = self._batch_rows([s.index for s in batch])
+        slots = [s.index for s in batch]
+        rows = self._batch_rows(slots)
         prog = self.window_programs.get("listen", n, rows)
         b = rows.size
         tokens = np.empty((b, 3, n), dtype=np.int64)
         tokens[:] = np.array([t.text_pad, t.stoken_pad, t.sleep])[:, None]
-        pos = np.tile(np.arange(n, dtype=np.int64), (b, 1))
+        # Padding rows write the top positions of their rows (graphs.py: never read before fed).
+        pos = np.tile(np.arange(self.settings.max_seq - n, self.settings.max_seq, dtype=np.int64), (b, 1))
         audio_idx = np.full((b, n), -1, dtype=np.int64)
-        for r, (s, i) in enumerate(zip(batch, group)):
+        for r, s, i in zip(rows.real, batch, group):
             tokens[r] = [s.text[s.fed:], s.stoken[s.fed:], s.control[s.fed:]]
-            pos[r] += s.prefix_len + s.fed
+            pos[r] = np.arange(n) + s.prefix_len + s.fed
             audio_idx[r] = self._audio_index(s, i, n)
         buf = prog.buffers
         assert isinstance(buf, ListenBuffers)
         self._upload(buf.tokens, tokens)
         self._upload(buf.pos, pos)
         self._upload(buf.audio_idx, audio_idx)
-        self._upload(buf.rows, np.array(rows.rows, dtype=np.int64))
-        return prog, n
+        self._upload(buf.rows, self._state_rows(rows, slots))
+        return prog, rows, n
 
-    def _launch_speak(self, idx: list[int], states: list[SlotState]) -> Program:
+    def _launch_speak(self, idx: list[int], states: list[SlotState]) -> tuple[Program, BatchRows]:
         """Fill the speaking program's buffers for every speaking slot (ten lockstep steps)."""
         t = self.tok
         batch = [states[i] for i in idx]
-        rows = self._batch_rows([s.index for s in batch])
+        slots = [s.index for s in batch]
+        rows = self._batch_rows(slots)
         prog = self.window_programs.get("speak", CHUNK, rows)
         buf = prog.buffers
         assert isinstance(buf, SpeakBuffers)
         b = rows.size
         pending = np.tile(np.array([t.text_pad, t.stoken_pad, t.sleep], dtype=np.int64), (b, 1))
-        base_pos = np.zeros((b, 1), dtype=np.int64)
+        base_pos = np.full((b, 1), self.settings.max_seq - CHUNK, dtype=np.int64)  # padding: the top (graphs.py)
         hist_len = np.zeros(b, dtype=np.int64)
         temperature = np.zeros(b, dtype=np.float32)
         audio_idx = np.full((b, CHUNK), -1, dtype=np.int64)
-        for r, (s, i) in enumerate(zip(batch, idx)):
+        for r, s, i in zip(rows.real, batch, idx):
             pending[r] = [s.text[-1], s.stoken[-1], s.control[-1]]
             base_pos[r] = s.prefix_len + s.fed
             hist_len[r] = len(s.stoken)
@@ -429,6 +443,6 @@ class LycheeRunner:
             buf.noise[r].uniform_(generator=s.generator)
         for dst, src in ((buf.pending, pending), (buf.base_pos, base_pos), (buf.hist_len, hist_len),
                          (buf.temperature, temperature), (buf.audio_idx, audio_idx),
-                         (buf.rows, np.array(rows.rows, dtype=np.int64))):
+                         (buf.rows, self._state_rows(rows, slots))):
             self._upload(dst, src)
-        return prog
+        return prog, rows
