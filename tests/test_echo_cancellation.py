@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import numpy as np
 import pytest
 from conftest import PATIENT_WINDOWS, running_server, synthesize
@@ -37,6 +38,12 @@ def speech() -> tuple[np.ndarray, np.ndarray]:
     interjection = at_level(synthesize("Wait, stop, stop please, I have a question for you.", voice="en+f3"),
                             ROOM.speech_rms)
     return question, interjection
+
+
+async def processing_counters(url: str) -> list:
+    """What each session's uplink processing counted (to say why an agent cut itself off)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/v1/sessions") as resp:
+        return [s.get("audio_processing") for s in (await resp.json())["sessions"]]
 
 
 def barge_ins(client, after: int = 0) -> list[dict]:
@@ -83,7 +90,8 @@ async def test_with_processing_a_minute_of_speech_without_self_interruption_and_
             # 66 s of downlink: over 60 s of it the answer's speech, the rest the odd underrun of a busy machine.
             await client.wait_audio(started["sample_offset"] + 66 * RATE, timeout=180)
             # Over a minute of the agent's own voice in the caller's microphone, and not one cut.
-            assert not barge_ins(client, first), "the agent interrupted itself"
+            cut = barge_ins(client, first)
+            assert not cut, f"the agent interrupted itself: {cut}; processing {await processing_counters(url)}"
             assert not [e for e in client.events[first:] if e["type"] == "input_audio_buffer.speech_started"]
             assert client.mic.echo_energy > 0
             # The caller talks over the agent (double talk): that still interrupts it.
