@@ -402,6 +402,19 @@ class SippResult:
         return f"sipp exit {self.returncode}\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}\n{self.stats[-2000:]}"
 
 
+async def listening(uas: "Uas", run: "asyncio.Task[SippResult]", timeout_s: float = 30.0) -> None:
+    """Wait until the callee SIPp that ``run`` started listens; if it exits first, say why it did."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not uas.ready():
+        if run.done():
+            result = run.result()
+            raise AssertionError(f"SIPp exited before it listened on {uas.sip_port}: {result.explain()}")
+        if loop.time() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for SIPp to listen on {uas.sip_port}")
+        await asyncio.wait({run}, timeout=0.05)
+
+
 async def run_sipp(scenario: str, workdir: Path, sip_port: int, media_port: int, calls: int = 1,
                    service: str = "lychee", timeout_s: float = 120.0, tag: str = "uac") -> SippResult:
     """Run SIPp as a caller through the registrar at 127.0.0.1:``sip_port``; ``calls`` at once."""
@@ -568,6 +581,23 @@ class Uas:
 
     sip_port: int
     media_port: int
+
+    @classmethod
+    def on_free_ports(cls) -> "Uas":
+        """A callee on two free UDP ports, chosen while both are held: ports taken one after the other
+        and released in between can come back the same (SIPp then cannot bind its media, and never
+        listens), and SIPp's media also uses the ports just above its own."""
+        while True:
+            held = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+            try:
+                for s in held:
+                    s.bind(("127.0.0.1", 0))
+                sip, media = (s.getsockname()[1] for s in held)
+            finally:
+                for s in held:
+                    s.close()
+            if abs(sip - media) > 4:
+                return cls(sip_port=sip, media_port=media)
 
     def ready(self) -> bool:
         return udp_bound(self.sip_port)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import free_port, running_server, wait_until
 from contract import check_response
-from sip_tools import RATE, LoopbackCapture, Uas, sip_register, sipp_uas_scenario, speech_pcap
+from sip_tools import RATE, LoopbackCapture, Uas, listening, sip_register, sipp_uas_scenario, speech_pcap
 from test_rtc_echo import best_match
 from test_sip_gateway import EventTap, gateway_overrides, received_audio, registered, speech_8k, stack  # noqa: F401
 
@@ -68,7 +68,7 @@ def test_targets_and_outcomes():
 
 
 async def callee(stack, user: str = "alice") -> Uas:
-    uas = Uas(sip_port=free_port(), media_port=free_port())
+    uas = Uas.on_free_ports()
     # Only this callee: bindings left by earlier tests would fork the INVITE to phones long gone.
     assert await asyncio.to_thread(sip_register, stack.ports.sip, user, None) == 200
     status = await asyncio.to_thread(sip_register, stack.ports.sip, user, uas.sip_port)
@@ -114,7 +114,7 @@ async def test_placed_call_is_answered_heard_both_ways_and_hung_up(stack, tmp_pa
         uas = await callee(stack)
         async with LoopbackCapture(tmp_path / "rx.pcap", uas.media_port) as capture:
             far_end = asyncio.create_task(uas.run(sipp_uas_scenario("answer", pcap), tmp_path))
-            await wait_until(uas.ready, 30, "SIPp to listen")
+            await listening(uas, far_end)
             dialled_at = time.time()
             status, body = await place(url, f"sip:alice@127.0.0.1:{stack.ports.sip}", **{"from": "sip:+15550100@example.com"},
                                        session={"instructions": "Remind them of the appointment."})
@@ -173,7 +173,7 @@ async def test_placed_call_refused(stack, tmp_path, user, answer, status, sip_st
         await registered(app)
         uas = await callee(stack, user)
         far_end = asyncio.create_task(uas.run(sipp_uas_scenario(answer), tmp_path))
-        await wait_until(uas.ready, 30, "SIPp to listen")
+        await listening(uas, far_end)
         # A tel: number is dialled as sip:<number>@<registrar>;user=phone (Janus takes SIP URIs only).
         target = f"tel:{user}" if user.startswith("+") else f"sip:{user}@127.0.0.1:{stack.ports.sip}"
         code, body = await place(url, target)
@@ -197,7 +197,7 @@ async def test_unanswered_call_times_out_and_frees_everything(stack, tmp_path):
         await registered(app)
         uas = await callee(stack, "carol")
         far_end = asyncio.create_task(uas.run(sipp_uas_scenario("never"), tmp_path))
-        await wait_until(uas.ready, 30, "SIPp to listen")
+        await listening(uas, far_end)
         code, body = await place(url, f"sip:carol@127.0.0.1:{stack.ports.sip}", ring_timeout_s=3)
         assert code == 201, body
         tap = tap_attempt(app, body["id"])
@@ -240,7 +240,7 @@ async def test_bad_requests_and_a_full_server_dial_nothing(stack, tmp_path):
         # Capacity is taken before dialling: with the one session in use, nothing is dialled.
         uas = await callee(stack, "dave")
         far_end = asyncio.create_task(uas.run(sipp_uas_scenario("never"), tmp_path))
-        await wait_until(uas.ready, 30, "SIPp to listen")
+        await listening(uas, far_end)
         code, first = await place(url, f"sip:dave@127.0.0.1:{stack.ports.sip}", ring_timeout_s=60)
         assert code == 201
         code, second = await place(url, f"sip:dave@127.0.0.1:{stack.ports.sip}")

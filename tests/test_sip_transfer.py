@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import free_port, running_server, synthesize, wait_until
 from contract import check_response
-from sip_tools import (RATE, LoopbackCapture, parse_rtp, read_pcap_udp, sipp_uas_scenario, speech_pcap, to_8k)
+from sip_tools import (RATE, LoopbackCapture, listening, parse_rtp, read_pcap_udp, sipp_uas_scenario, speech_pcap, to_8k)
 from test_rtc_echo import best_match
 from test_sip_dial_out import callee
 from test_sip_gateway import (KEYED, OPERATOR, EventTap, gateway_overrides, received_audio, registered,  # noqa: F401
@@ -103,7 +103,7 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
         await registered(app)
         bob = await callee(stack, "bob")
         far_end = asyncio.create_task(bob.run(sipp_uas_scenario("answer", target_pcap, hold_ms=120000), tmp_path))
-        await wait_until(bob.ready, 30, "SIPp to listen")
+        await listening(bob, far_end)
         to_caller = LoopbackCapture(tmp_path / "caller.pcap", "udp dst portrange %d-%d" % BARESIP_PORTS)
         to_target = LoopbackCapture(tmp_path / "target.pcap", bob.media_port)
         async with to_caller, to_target:
@@ -179,7 +179,7 @@ async def test_openai_refer_hands_an_accepted_caller_over(stack, tmp_path, speec
         await registered(app)
         bob = await callee(stack, "bob")
         far_end = asyncio.create_task(bob.run(sipp_uas_scenario("answer", hold_ms=120000), tmp_path))
-        await wait_until(bob.ready, 30, "SIPp to listen")
+        await listening(bob, far_end)
         proc = await asyncio.create_subprocess_exec(
             "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "120",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
@@ -230,7 +230,7 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
             # The person is busy: the caller is held, then taken back.
             busy = await callee(stack, "bob")
             busy_end = asyncio.create_task(busy.run(sipp_uas_scenario("486 Busy Here"), tmp_path, tag="busy"))
-            await wait_until(busy.ready, 30, "SIPp to listen")
+            await listening(busy, busy_end)
             status, first = await post_json(http, f"{url}/v1/telephony/calls/{call.session.id}/consult",
                                             {"target_uri": target})
             assert status == 201 and first["status"] in ("dialing", "ringing"), first
@@ -244,7 +244,7 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
             person = await callee(stack, "bob")
             person_end = asyncio.create_task(person.run(sipp_uas_scenario("answer", target_pcap, hold_ms=120000),
                                                         tmp_path, tag="person", calls=2))
-            await wait_until(person.ready, 30, "SIPp to listen")
+            await listening(person, person_end)
             status, consult = await post_json(http, f"{url}/v1/telephony/calls/{call.session.id}/consult",
                                               {"target_uri": target, "session": {"instructions": "Brief Bob."}})
             assert status == 201
@@ -297,7 +297,7 @@ async def test_a_configured_key_sends_the_caller_to_a_person(stack, tmp_path, sp
         await registered(app)
         operator = await callee(stack, "operator")
         far_end = asyncio.create_task(operator.run(sipp_uas_scenario("answer", hold_ms=120000), tmp_path))
-        await wait_until(operator.ready, 30, "SIPp to listen")
+        await listening(operator, far_end)
         proc = await asyncio.create_subprocess_exec(
             "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "120",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

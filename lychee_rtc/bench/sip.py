@@ -97,7 +97,7 @@ async def _json(http: aiohttp.ClientSession, method: str, url: str, body: dict |
 
 
 async def _callee(tools: Any, stack: TelephonyStack, user: str) -> Any:
-    uas = tools.Uas(sip_port=_free_port(), media_port=_free_port())
+    uas = tools.Uas.on_free_ports()
     await asyncio.to_thread(tools.sip_register, stack.ports.sip, user, None)
     assert await asyncio.to_thread(tools.sip_register, stack.ports.sip, user, uas.sip_port) == 200
     return uas
