@@ -12,7 +12,7 @@ import subprocess
 import wave
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -149,6 +149,18 @@ async def wait_until(condition: Callable[[], Any], timeout: float = 60.0, what: 
             pytest.fail(f"waited {timeout:.0f} s for {what}")
         await asyncio.sleep(0.02)
     return result
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread() -> Iterator[None]:
+    """PyTorch on one thread for a module's tests: tiny matmuls on a shared machine run far faster
+    single-threaded than fighting other work for every core."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def free_port() -> int:

@@ -48,12 +48,7 @@ GREEDY = dict(temperature=0.0, start_speak_factor=1.0, start_listen_factor=1.0, 
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

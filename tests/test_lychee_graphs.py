@@ -39,12 +39,7 @@ GREEDY = dict(temperature=0.0, no_repeat_ngram=0, start_speak_factor=1.0, start_
 COMMIT = [Control(ControlKind.COMMIT, 0)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,7 @@ from lychee_rtc.engine.lychee.tokenizer import Tokenizer
 GREEDY = dict(temperature=0.0, no_repeat_ngram=0, start_speak_factor=1.0, start_listen_factor=1.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine are ~100x faster single-threaded.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(max_seq=256, context_window=100, context_slide_step=60)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,13 @@ async def _call(url: str, **session) -> RtcClient:
     return client
 
 
+async def recording_finished(folder: Path) -> None:
+    """Wait until the recording in ``folder`` is complete, as its meta.json says."""
+    meta = folder / "meta.json"
+    await wait_until(lambda: meta.exists() and json.loads(meta.read_text())["status"] == "complete", 60,
+                     "the recording to be finished")
+
+
 async def test_recordings_are_fetched_listed_and_deleted_by_who_may(tmp_path):
     recording = {"enabled": True, "directory": str(tmp_path)}
     async with running_server(server={"auth_token": KEY}, recording=recording) as (url, _):
@@ -112,8 +119,7 @@ async def test_a_session_turns_its_recording_on_pauses_and_resumes_it(tmp_path):
                 async with http.delete(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers):
                     pass
             folder = tmp_path / client.session_id
-            await wait_until(lambda: json.loads((folder / "meta.json").read_text())["status"] == "complete", 60,
-                             "the recording to be finished")
+            await recording_finished(folder)
             kinds = [json.loads(line)["type"] for line in (folder / "events.jsonl").read_text().splitlines()]
             # Paused means nothing captured: not even the session.updated that said so.
             paused = kinds.index("recording.paused")
@@ -255,9 +261,7 @@ async def test_an_openai_call_asks_for_its_recording_with_the_lychee_rtc_extensi
         # The sidecar is complete once the recording is: the writer takes what the call queued a
         # poll later, and the call ends after its client goes.
         folder = tmp_path / call_id
-        await wait_until(lambda: (folder / "meta.json").exists()
-                         and json.loads((folder / "meta.json").read_text())["status"] == "complete",
-                         60, "the recording to be finished")
+        await recording_finished(folder)
         lines = (folder / "events.jsonl").read_text().splitlines()
         assert [json.loads(line)["type"] for line in lines[:2]] == ["recording.started", "session.created"]
 
@@ -344,8 +348,7 @@ async def test_a_whip_call_is_recorded_like_any_other(tmp_path):
                 async with http.delete(f"{url}{location}") as resp:
                     assert resp.status == 200
                 folder = tmp_path / session_id
-                await wait_until(lambda: json.loads((folder / "meta.json").read_text())["status"] == "complete",
-                                 60, "the recording to be finished")
+                await recording_finished(folder)
                 recording = f"{url}/v1/sessions/{session_id}/recording"
                 async with http.get(recording) as resp:
                     assert resp.status == 401

@@ -23,12 +23,7 @@ def folders(tmp_path_factory):
     return lychee, t2w, prompts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def test_lychee_codes_become_token2wav_pcm(folders):
