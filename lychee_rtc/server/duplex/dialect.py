@@ -226,14 +226,7 @@ class DuplexTranslator(RealtimeTranslator):
         assert self.socket is not None
         self.socket.input_format = request.input_format or self.socket.input_format
         self.socket.output_format = request.output_format or self.socket.output_format
-
-        def apply() -> None:
-            self._update_ignored = request.ignored
-            try:
-                self.session.update(request.changes, event_id)
-            finally:
-                self._update_ignored = None
-        self._in_order(apply, event_id)
+        self._update_in_order(request.changes, request.ignored, event_id)
 
     def _client_input_audio_buffer_append(self, data: dict[str, Any], event_id: str | None) -> None:
         assert self.socket is not None

@@ -128,11 +128,15 @@ class ClientEvents:
             in_format, out_format = requested_formats(data["session"], event_id)
             self.socket.input_format = in_format or self.socket.input_format
             self.socket.output_format = out_format or self.socket.output_format
+        self._update_in_order(request.changes, request.ignored, event_id)
 
+    def _update_in_order(self, changes: dict[str, Any], ignored: tuple[str, ...], event_id: str | None) -> None:
+        """Apply a session.update's ``changes`` in order with the audio sent before it; the
+        session.updated it causes lists what the request ``ignored``."""
         def apply() -> None:
-            self._update_ignored = request.ignored
+            self._update_ignored = ignored
             try:
-                self.session.update(request.changes, event_id)
+                self.session.update(changes, event_id)
             finally:
                 self._update_ignored = None
         self._in_order(apply, event_id)
