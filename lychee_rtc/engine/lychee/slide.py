@@ -217,7 +217,10 @@ class Slider:
         # Consecutive staging rows (slots side by side, or one slot) are read as a view, not gathered.
         consecutive = [p.row for p in pieces] == list(range(first, first + len(pieces)))
         where = slice(first, first + len(pieces)) if consecutive else rows[:, 0]
-        model.forward_positions(x, e(nxt), model.context(pos, where, key_len=key_len))
+        # Every query's position is at least the smallest: the keys before it are seen by all, and
+        # attention skips their mask (``OpenPrefixMask``; only the pieces' own positions need it).
+        open_keys = int(host[6].min())
+        model.forward_positions(x, e(nxt), model.context(pos, where, key_len=key_len, open_keys=open_keys))
         for p in pieces:
             p.job.staged = p.hi
 
