@@ -138,9 +138,12 @@ class SlideStats:
     late: int = 0  # ... of them after their slide point (the budget went to nearer ones first)
     fallbacks: int = 0  # slots that reached their end before their staging row was ready (reset)
     most_computed: int = 0  # the largest ``computed`` of any step
+    budget_cost: float = 0.0  # the budget in cost (``SlidePolicy.budget_cost``; 0: counted in positions)
+    cost: int = 0  # the last step's cost (``slide_budget.cost``, padding not counted): within budget_cost
+    most_cost: int = 0  # the largest ``cost`` of any step
 
     def new_step(self) -> None:
-        self.positions = self.computed = self.pieces = self.forwards = self.switches = 0
+        self.positions = self.computed = self.pieces = self.forwards = self.switches = self.cost = 0
 
 
 class Slider:
