@@ -309,7 +309,7 @@ def test_slots_sliding_together_stay_within_the_budget_batched_on_time_and_exact
     for i in range(3):
         r.open(i, SessionOptions(seed=i, instructions="Answer in one short sentence, please." if i == 2 else None))
     assert r.slots[2].prefix_len > r.slots[0].prefix_len
-    batched = checked = 0
+    batched = checked = several = 0
     for k in range(60):
         if k == 2:
             r.open(3, SessionOptions(seed=3))
@@ -324,6 +324,7 @@ def test_slots_sliding_together_stay_within_the_budget_batched_on_time_and_exact
         r.step(items)
         assert stats.positions <= stats.computed and stats.cost <= stats.budget_cost
         batched += stats.pieces - stats.forwards >= 2  # three slots (or more) in one forward
+        several += stats.pieces >= 3
         for i, s in enumerate(r.slots):
             if s is not None and s.context_slides > slides0[i]:
                 assert len(s.text) == r.policy.kept(s.prefix_len, s.prefix_len)  # on time: exactly the window
@@ -331,7 +332,9 @@ def test_slots_sliding_together_stay_within_the_budget_batched_on_time_and_exact
                 checked += 1
     assert stats.late == 0 and stats.fallbacks == 0 and all(s.context_resets == 0 for s in r.slots)
     assert all(s.context_slides >= 5 for s in r.slots) and checked == stats.slides >= 20
-    assert batched >= 40, batched  # the aligned slots' pieces share a forward
+    # the aligned slots' pieces share a forward (paced by cost, pieces of slots whose sinks differ
+    # differ in length, and a CPU runs them apart when padding would cost too much)
+    assert batched >= 0.75 * several >= 25, (batched, several)
     assert 0 < stats.most_computed <= stats.budget
 
 

@@ -76,23 +76,26 @@ def fits(lo: int, spend: float, fixed: int) -> int:
 
 
 def levelled(claim: Claim, fixed: int, reserve: int = RESERVE_STEPS, least: int = 0) -> int:
-    """Positions to stage in this step, by cost: the cost of what is left of the slide spread
-    evenly over the steps until ``reserve`` steps before its slide point, as many positions as that
-    step's share of cost buys, up to those known (all known once there, or late). A piece waits
-    while what is known costs less than ``least`` positions at the slide's mean key count (a
-    forward's fixed cost paid per that much work) and fewer than ``least`` positions, unless it
-    is all the step's share buys or waiting would make the next piece cost more than the level."""
+    """Positions to stage in this step, by cost. The cost of what is left of the slide is spread
+    evenly over the steps until ``reserve`` steps before its slide point (all known once there, or
+    late): early pieces are longer than late ones. A piece is at least ``least`` positions (a
+    forward's fixed cost paid once per that many) unless those cost more than ``least`` positions
+    at the slide's mean key count (the steady level): late in a slide it is what that level buys.
+    While fewer positions are known than the piece wants it waits, unless waiting one more step
+    would make it dearer than the level."""
     known, lo = max(0, claim.known), claim.staged
     k = max(1, claim.steps_left - reserve)
     if k == 1:
         return known
     level = cost(lo, max(claim.total, lo + known), fixed) / k
-    n = fits(lo, level, fixed)
-    g = min(n, known)
-    if g == n or g >= least or cost(lo, lo + g, fixed) >= least * (fixed + claim.total / 2):
-        return g
-    # waiting one more step must not make the next piece dearer than the level
-    return g if cost(lo, lo + g + CHUNK, fixed) > level else 0
+    steady = least * (fixed + claim.total / 2)
+    floor = min(least, fits(lo, steady, fixed))
+    want = max(fits(lo, level, fixed), floor)
+    if known >= want:
+        return want
+    if known >= floor:
+        return known
+    return known if cost(lo, lo + known + CHUNK, fixed) > max(level, steady) else 0
 
 
 def pace(known: int, steps_left: int, reserve: int = RESERVE_STEPS, least: int = 0) -> int:
