@@ -315,7 +315,13 @@ class LycheeFD(nn.Module):
 
     def context(self, input_pos: Tensor, rows: Tensor | slice | None, key_len: int | None = None,
                 open_keys: int = 0) -> StepContext:
-        return StepContext.build(input_pos, rows, self.max_seq if key_len is None else key_len, open_keys)
+        """``key_len`` None: every cache position on a GPU (the window programs' static shapes, for
+        their graphs); on a CPU, which runs them eagerly, only the positions up to the furthest
+        query's (the later ones are masked for every query: reading them is wasted work)."""
+        if key_len is None:
+            cpu = input_pos.device.type == "cpu"
+            key_len = min(self.max_seq, int(input_pos.max()) + 1) if cpu else self.max_seq
+        return StepContext.build(input_pos, rows, key_len, open_keys)
 
     # -- embeddings -------------------------------------------------------------------------
 
