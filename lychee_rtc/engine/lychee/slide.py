@@ -128,9 +128,9 @@ class Piece:
 class SlideStats:
     """What the slides of a runner cost and how they went: the last step's share, running totals."""
 
-    budget: int = 0  # positions per window step, every slot together (the policy's)
+    budget: int = 0  # positions per window step, every slot together (the policy's; in cost: budget_cost)
     positions: int = 0  # re-prefilled in the last step, every slot (padding not counted)
-    computed: int = 0  # the same with the padding of batched forwards: never above the budget
+    computed: int = 0  # the same with the padding of batched forwards
     pieces: int = 0  # slots that re-prefilled in the last step
     forwards: int = 0  # forwards they took (fewer than pieces: batched)
     switches: int = 0  # slides that took effect at the end of the last step

@@ -19,7 +19,7 @@ step can be checked exhaustively in tests.
   pieces has one row per piece, each as long as the longest (the shorter padded at positions past
   their own end, where nothing staged lives yet), its attention reading keys up to the furthest
   end. A piece joins a forward only when the padding it adds fits in what the step did not grant
-  (so what a step computes, padding included, never exceeds the budget) and, on a CPU, when the
+  (so what a step computes, padding included, stays within the budget) and, on a CPU, when the
   forward's attention area stays within ``pad_ratio`` times the pieces' own.
 * **Cost.** A position costs a fixed amount (projections and MLP, ``fixed``, counted in attended
   keys) plus one unit per key it attends to, so a piece late in a slide (thousands of keys) costs
