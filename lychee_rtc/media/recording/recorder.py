@@ -19,12 +19,16 @@ import numpy as np
 from lychee_rtc.jsonio import JsonError, strict_json_dumps
 from lychee_rtc.media.recording.timeline import RATE
 from lychee_rtc.media.recording.writer import RecordingWriter, WriterState
+from lychee_rtc.media.transit import TransitEstimate
 
 log = logging.getLogger(__name__)
 
 CALLER, AGENT = 0, 1
 # Events the sidecar leaves out: per-window timing is noise next to the call's own events.
 SKIPPED_EVENTS = frozenset({"metrics"})
+# The transit compensation moves only by this much or more: each move shifts both channels (a few
+# samples of silence or overlap at that point), so the estimate's small wobble is left alone.
+TRANSIT_STEP_S = 0.0005
 
 
 class CallRecorder:
@@ -40,6 +44,11 @@ class CallRecorder:
         # arrives that much before it was encoded, and hears what leaves that much after. Both
         # channels keep the caller's own time by it (docs/recording.md, "One clock").
         self.codec_delay_s = 0.0
+        # The path's one-way time each way (the sink's ``transit``, RTCP's round trip over 2 on
+        # WebRTC): the caller said what arrives that much earlier still, and hears what leaves
+        # that much later. ``transit_s`` is what the stamps use now.
+        self.transit: TransitEstimate | None = None
+        self.transit_s = 0.0
         self._warned_full = False
 
     @property
@@ -60,14 +69,15 @@ class CallRecorder:
         """Concealed caller audio as it enters the session: it ended now."""
         if self.paused or self.closed or not len(samples):
             return
-        at = self.clock() - len(samples) / rate - self.codec_delay_s
+        at = self.clock() - len(samples) / rate - self.codec_delay_s - self._transit()
         self._submit(("audio", CALLER, at, np.array(samples, dtype=np.float32), rate))
 
     def agent_sent(self, pcm: np.ndarray, rate: int, at: float) -> None:
         """A frame left for the caller; ``at``: when its first sample is heard (monotonic)."""
         if self.paused or self.closed:
             return
-        self._submit(("audio", AGENT, at + self.codec_delay_s, np.array(pcm, dtype=np.float32), rate))
+        at += self.codec_delay_s + self._transit()
+        self._submit(("audio", AGENT, at, np.array(pcm, dtype=np.float32), rate))
 
     def agent_cut(self, at: float) -> None:
         """Audio sent but not yet heard was taken back (a carrier's flush): it never played."""
@@ -99,6 +109,7 @@ class CallRecorder:
         self._line({"t": round(now - self.t0, 4), "type": "recording.stopped", "reason": reason,
                     "items_dropped": self.state.counters.items_dropped})
         self.closed = True
+        self._note_alignment()
         self.writer.finish(now)
 
     def status(self) -> dict[str, Any]:
@@ -109,6 +120,33 @@ class CallRecorder:
                 "items_dropped": c.items_dropped, "late_samples": c.late_samples}
 
     # --- internals -----------------------------------------------------------------------------------
+
+    def _transit(self) -> float:
+        """The one-way compensation for the stamp being made. When the estimate has moved, both
+        channels are shifted by the change first (the writer takes items in order), so the stamps
+        of each channel stay continuous; the sidecar and the meta say what was applied."""
+        estimate = self.transit.one_way_s() if self.transit is not None else 0.0
+        change = estimate - self.transit_s
+        if abs(change) >= TRANSIT_STEP_S:
+            self.transit_s = estimate
+            self._submit(("shift", CALLER, -change))
+            self._submit(("shift", AGENT, change))
+            self._line({"t": round(self.clock() - self.t0, 4), "type": "recording.transit",
+                        "transit_ms": round(estimate * 1000, 2),
+                        "source": self.transit.source if self.transit is not None else "none"})
+            self.state.alignment["transit_changes"] = self.state.alignment.get("transit_changes", 0) + 1
+            self._note_alignment()
+        return self.transit_s
+
+    def _note_alignment(self) -> None:
+        """What the stamps take out to keep the caller's time, for the recording's meta."""
+        a = self.state.alignment
+        ms = round(self.transit_s * 1000, 2)
+        a.update(codec_delay_ms=round(self.codec_delay_s * 1000, 2), transit_ms_last=ms,
+                 transit_source=self.transit.source if self.transit is not None else "none")
+        if self.transit_s:
+            a["transit_ms_min"] = min(a.get("transit_ms_min", ms), ms)
+            a["transit_ms_max"] = max(a.get("transit_ms_max", ms), ms)
 
     def _line(self, record: dict[str, Any]) -> None:
         try:

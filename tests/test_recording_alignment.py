@@ -1,0 +1,107 @@
+"""The recording's two channels keep the caller's time: the codec's delay and the path's transit
+(RTCP's round trip over two) come out of the stamps, and a longer path does not pull them apart."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lychee_rtc.media.recording.recorder import AGENT, CALLER, CallRecorder
+from lychee_rtc.media.recording.timeline import RATE, ChannelPlacer, MixBuffer, PlacementCounters
+from lychee_rtc.media.recording.writer import RecordingWriter
+from lychee_rtc.media.transit import MAX_ROUND_TRIP_S, TransitEstimate
+
+CHUNK = RATE // 50
+
+
+def test_the_transit_is_half_the_median_of_recent_round_trips_and_bounded():
+    estimate = TransitEstimate(history=3)
+    assert estimate.one_way_s() == 0.0  # no report yet: nothing taken out
+    for rtt in (0.040, 0.400, 0.044):  # one report held up by a stall does not move the median
+        estimate.observe(rtt, "rtcp_round_trip")
+    assert math.isclose(estimate.one_way_s(), 0.022)
+    for bad in (float("nan"), float("inf"), -0.01):
+        estimate.observe(bad, "rtcp_round_trip")
+    assert estimate.reports == 3
+    for _ in range(3):
+        estimate.observe(30.0, "rtcp_round_trip")  # a stalled far end: bounded, and the old ones age out
+    assert estimate.one_way_s() == MAX_ROUND_TRIP_S / 2
+
+
+def test_a_shift_moves_a_stream_without_breaking_it():
+    counters = PlacementCounters()
+    buffer = MixBuffer(RATE * 4, counters)
+    placer = ChannelPlacer(1, counters)
+    placer.push(buffer, 0.5, np.full(CHUNK, 0.1, np.float32), RATE)
+    placer.shift(0.03)  # stamps are 30 ms later from here on
+    placer.push(buffer, 0.55, np.full(CHUNK, 0.2, np.float32), RATE)
+    assert counters.reanchors == 0 and counters.slides == 0
+    start = round(0.55 * RATE)
+    assert np.all(buffer.data[start:start + CHUNK, 1] == np.float32(0.2))
+    assert np.all(buffer.data[round(0.52 * RATE):start, 1] == 0.0)  # the 30 ms the stream moved by
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _recorder(tmp_path) -> tuple[CallRecorder, RecordingWriter, Clock]:
+    clock = Clock()
+    # The writer's thread is not started: what the taps hand it stays on its queue, in order.
+    writer = RecordingWriter(tmp_path / "audio.ogg", tmp_path / "events.jsonl", clock(), 32000, 100, clock)
+    return CallRecorder("s", writer, clock), writer, clock
+
+
+def _items(writer: RecordingWriter) -> list[tuple]:
+    out = []
+    while not writer.queue.empty():
+        out.append(writer.queue.get_nowait())
+    return out
+
+
+def test_the_stamps_take_out_half_the_round_trip_each_way(tmp_path):
+    recorder, writer, clock = _recorder(tmp_path)
+    recorder.codec_delay_s = 0.0065
+    recorder.transit = TransitEstimate()
+    pcm = np.zeros(960, np.float32)
+    recorder.agent_sent(pcm, 48000, clock())
+    assert _items(writer)[-1][2] == clock() + 0.0065  # no round trip yet: the codec's delay only
+    recorder.transit.observe(0.080, "rtcp_round_trip")
+    clock.now += 0.02
+    recorder.caller_audio(np.zeros(320, np.float32), 16000)
+    items = _items(writer)
+    # Both channels move by the change before the first stamp that uses it, and the sidecar says so.
+    assert [i[:2] for i in items[:2]] == [("shift", CALLER), ("shift", AGENT)]
+    assert math.isclose(items[0][2], -0.040) and math.isclose(items[1][2], 0.040)
+    assert '"recording.transit"' in items[2][1] and '"transit_ms":40.0' in items[2][1]
+    audio = items[3]
+    assert audio[:2] == ("audio", CALLER)
+    assert math.isclose(audio[2], clock() - 0.02 - 0.0065 - 0.040)  # said before it arrived
+    recorder.agent_sent(pcm, 48000, clock())
+    assert math.isclose(_items(writer)[-1][2], clock() + 0.0065 + 0.040)  # heard after it left
+    recorder.transit.observe(0.0802, "rtcp_round_trip")  # a wobble under the step: no shift
+    recorder.agent_sent(pcm, 48000, clock())
+    assert [i[0] for i in _items(writer)] == ["audio"]
+    recorder.close("done")
+    assert writer.state.alignment == {"codec_delay_ms": 6.5, "transit_source": "rtcp_round_trip",
+                                      "transit_ms_last": 40.0, "transit_ms_min": 40.0, "transit_ms_max": 40.0,
+                                      "transit_changes": 1}
+
+
+async def test_the_channels_stay_aligned_over_a_longer_path(tmp_path):
+    """A real aiortc caller through a UDP relay that delays every packet (RTCP too) 40 ms each way:
+    uncompensated the two channels would lie about 80 ms short of what the caller lived through."""
+    from lychee_rtc.bench.recording_alignment import measure
+
+    report = await measure("webrtc", 10, 0.5, tmp_path, lead_ms=0, delay_ms=40.0)
+    assert report.found >= 8, report
+    assert 35.0 <= report.compensation["transit_ms_last"] <= 80.0, report.compensation
+    assert report.compensation["transit_source"] == "rtcp_round_trip"
+    # The chirps before the first round trip (about 1-3 s into the call) are off by the whole
+    # path; after it the error is what the relay and both ends' loops add unevenly.
+    assert abs(report.error_ms_p50) < 10.0, report
