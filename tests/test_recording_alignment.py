@@ -17,16 +17,22 @@ CHUNK = RATE // 50
 
 def test_the_transit_is_half_the_median_of_recent_round_trips_and_bounded():
     estimate = TransitEstimate(history=3)
-    assert estimate.one_way_s() == 0.0  # no report yet: nothing taken out
+    assert estimate.way_in_s() == estimate.way_out_s() == 0.0  # no report yet: nothing taken out
     for rtt in (0.040, 0.400, 0.044):  # one report held up by a stall does not move the median
         estimate.observe(rtt, "rtcp_round_trip")
-    assert math.isclose(estimate.one_way_s(), 0.022)
+    assert math.isclose(estimate.way_in_s(), 0.022) and math.isclose(estimate.way_out_s(), 0.022)
     for bad in (float("nan"), float("inf"), -0.01):
         estimate.observe(bad, "rtcp_round_trip")
     assert estimate.reports == 3
     for _ in range(3):
         estimate.observe(30.0, "rtcp_round_trip")  # a stalled far end: bounded, and the old ones age out
-    assert estimate.one_way_s() == MAX_ROUND_TRIP_S / 2
+    assert estimate.way_out_s() == MAX_ROUND_TRIP_S / 2
+
+
+def test_a_far_end_buffer_is_all_on_the_way_out():
+    estimate = TransitEstimate()
+    estimate.observe(0.060, "carrier_mark_echo", out_share=1.0)
+    assert estimate.way_in_s() == 0.0 and math.isclose(estimate.way_out_s(), 0.060)
 
 
 def test_a_shift_moves_a_stream_without_breaking_it():
@@ -78,18 +84,19 @@ def test_the_stamps_take_out_half_the_round_trip_each_way(tmp_path):
     # Both channels move by the change before the first stamp that uses it, and the sidecar says so.
     assert [i[:2] for i in items[:2]] == [("shift", CALLER), ("shift", AGENT)]
     assert math.isclose(items[0][2], -0.040) and math.isclose(items[1][2], 0.040)
-    assert '"recording.transit"' in items[2][1] and '"transit_ms":40.0' in items[2][1]
+    assert '"recording.transit"' in items[2][1] and '"way_in_ms":40.0,"way_out_ms":40.0' in items[2][1]
     audio = items[3]
     assert audio[:2] == ("audio", CALLER)
     assert math.isclose(audio[2], clock() - 0.02 - 0.0065 - 0.040)  # said before it arrived
     recorder.agent_sent(pcm, 48000, clock())
     assert math.isclose(_items(writer)[-1][2], clock() + 0.0065 + 0.040)  # heard after it left
-    recorder.transit.observe(0.0802, "rtcp_round_trip")  # a wobble under the step: no shift
+    recorder.transit.observe(0.0815, "rtcp_round_trip")  # a wobble under the step: no shift
     recorder.agent_sent(pcm, 48000, clock())
     assert [i[0] for i in _items(writer)] == ["audio"]
     recorder.close("done")
     assert writer.state.alignment == {"codec_delay_ms": 6.5, "transit_source": "rtcp_round_trip",
-                                      "transit_ms_last": 40.0, "transit_ms_min": 40.0, "transit_ms_max": 40.0,
+                                      "way_in_ms_last": 40.0, "way_in_ms_min": 40.0, "way_in_ms_max": 40.0,
+                                      "way_out_ms_last": 40.0, "way_out_ms_min": 40.0, "way_out_ms_max": 40.0,
                                       "transit_changes": 1}
 
 
@@ -100,7 +107,7 @@ async def test_the_channels_stay_aligned_over_a_longer_path(tmp_path):
 
     report = await measure("webrtc", 10, 0.5, tmp_path, lead_ms=0, delay_ms=40.0)
     assert report.found >= 8, report
-    assert 35.0 <= report.compensation["transit_ms_last"] <= 80.0, report.compensation
+    assert 35.0 <= report.compensation["way_out_ms_last"] <= 80.0, report.compensation
     assert report.compensation["transit_source"] == "rtcp_round_trip"
     # The chirps before the first round trip (about 1-3 s into the call) are off by the whole
     # path; after it the error is what the relay and both ends' loops add unevenly.

@@ -29,6 +29,8 @@ from lychee_rtc.telephony.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
+# What measured the lag of the carrier's playout (a recording's meta says it).
+MARK_SOURCE = "carrier_mark_echo"
 # Names of marks a cut discarded, remembered so their echoes are not taken as playout.
 CUT_MARKS_REMEMBERED = 1024
 
@@ -150,6 +152,9 @@ class CarrierPacer(EpochSink):
             key, pending = self._pending.popitem(last=False)
             self._confirm(pending)
             if key == name:
+                # The carrier's playout receipt: how far behind our estimate of its buffer the caller
+                # heard this audio end (the carrier's own buffer and the way there and back).
+                self.transit.observe(max(0.0, self._clock() - pending.due), MARK_SOURCE, out_share=1.0)
                 break
         self._mark_arrived.set()
 

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 CALLER, AGENT = 0, 1
 # Events the sidecar leaves out: per-window timing is noise next to the call's own events.
 SKIPPED_EVENTS = frozenset({"metrics"})
-# The transit compensation moves only by this much or more: each move shifts both channels (a few
+# The transit compensation moves only by this much or more: each move shifts a channel (a few
 # samples of silence or overlap at that point), so the estimate's small wobble is left alone.
-TRANSIT_STEP_S = 0.0005
+TRANSIT_STEP_S = 0.001
 
 
 class CallRecorder:
@@ -44,11 +44,12 @@ class CallRecorder:
         # arrives that much before it was encoded, and hears what leaves that much after. Both
         # channels keep the caller's own time by it (docs/recording.md, "One clock").
         self.codec_delay_s = 0.0
-        # The path's one-way time each way (the sink's ``transit``, RTCP's round trip over 2 on
-        # WebRTC): the caller said what arrives that much earlier still, and hears what leaves
-        # that much later. ``transit_s`` is what the stamps use now.
+        # What the transport measures of the rest of the caller's loop (the sink's ``transit``:
+        # RTCP's round trip on WebRTC, half each way; a carrier's mark echoes, on the way out): the
+        # caller said what arrives ``way_in`` earlier still, and hears what leaves ``way_out``
+        # later. ``applied`` is what the stamps use now.
         self.transit: TransitEstimate | None = None
-        self.transit_s = 0.0
+        self.applied = (0.0, 0.0)
         self._warned_full = False
 
     @property
@@ -69,14 +70,14 @@ class CallRecorder:
         """Concealed caller audio as it enters the session: it ended now."""
         if self.paused or self.closed or not len(samples):
             return
-        at = self.clock() - len(samples) / rate - self.codec_delay_s - self._transit()
+        at = self.clock() - len(samples) / rate - self.codec_delay_s - self._transit()[CALLER]
         self._submit(("audio", CALLER, at, np.array(samples, dtype=np.float32), rate))
 
     def agent_sent(self, pcm: np.ndarray, rate: int, at: float) -> None:
         """A frame left for the caller; ``at``: when its first sample is heard (monotonic)."""
         if self.paused or self.closed:
             return
-        at += self.codec_delay_s + self._transit()
+        at += self.codec_delay_s + self._transit()[AGENT]
         self._submit(("audio", AGENT, at, np.array(pcm, dtype=np.float32), rate))
 
     def agent_cut(self, at: float) -> None:
@@ -121,32 +122,36 @@ class CallRecorder:
 
     # --- internals -----------------------------------------------------------------------------------
 
-    def _transit(self) -> float:
-        """The one-way compensation for the stamp being made. When the estimate has moved, both
-        channels are shifted by the change first (the writer takes items in order), so the stamps
-        of each channel stay continuous; the sidecar and the meta say what was applied."""
-        estimate = self.transit.one_way_s() if self.transit is not None else 0.0
-        change = estimate - self.transit_s
-        if abs(change) >= TRANSIT_STEP_S:
-            self.transit_s = estimate
-            self._submit(("shift", CALLER, -change))
-            self._submit(("shift", AGENT, change))
+    def _transit(self) -> tuple[float, float]:
+        """(way in, way out) for the stamp being made. When the estimate has moved, the channels
+        are shifted by the change first (the writer takes items in order), so each channel's stamps
+        stay continuous; the sidecar and the meta say what was applied."""
+        t = self.transit
+        now = (t.way_in_s(), t.way_out_s()) if t is not None else (0.0, 0.0)
+        moved = [now[i] - self.applied[i] for i in (CALLER, AGENT)]
+        if max(abs(m) for m in moved) >= TRANSIT_STEP_S:
+            self.applied = now
+            for channel, sign in ((CALLER, -1.0), (AGENT, 1.0)):
+                if moved[channel]:
+                    self._submit(("shift", channel, sign * moved[channel]))
             self._line({"t": round(self.clock() - self.t0, 4), "type": "recording.transit",
-                        "transit_ms": round(estimate * 1000, 2),
-                        "source": self.transit.source if self.transit is not None else "none"})
+                        "way_in_ms": round(now[CALLER] * 1000, 2), "way_out_ms": round(now[AGENT] * 1000, 2),
+                        "source": t.source if t is not None else "none"})
             self.state.alignment["transit_changes"] = self.state.alignment.get("transit_changes", 0) + 1
             self._note_alignment()
-        return self.transit_s
+        return self.applied
 
     def _note_alignment(self) -> None:
         """What the stamps take out to keep the caller's time, for the recording's meta."""
         a = self.state.alignment
-        ms = round(self.transit_s * 1000, 2)
-        a.update(codec_delay_ms=round(self.codec_delay_s * 1000, 2), transit_ms_last=ms,
+        a.update(codec_delay_ms=round(self.codec_delay_s * 1000, 2),
                  transit_source=self.transit.source if self.transit is not None else "none")
-        if self.transit_s:
-            a["transit_ms_min"] = min(a.get("transit_ms_min", ms), ms)
-            a["transit_ms_max"] = max(a.get("transit_ms_max", ms), ms)
+        for channel, name in ((CALLER, "way_in_ms"), (AGENT, "way_out_ms")):
+            ms = round(self.applied[channel] * 1000, 2)
+            a[f"{name}_last"] = ms
+            if self.transit is not None and self.transit.reports:
+                a[f"{name}_min"] = min(a.get(f"{name}_min", ms), ms)
+                a[f"{name}_max"] = max(a.get(f"{name}_max", ms), ms)
 
     def _line(self, record: dict[str, Any]) -> None:
         try:
