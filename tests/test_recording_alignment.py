@@ -112,3 +112,42 @@ async def test_the_channels_stay_aligned_over_a_longer_path(tmp_path):
     # The chirps before the first round trip (about 1-3 s into the call) are off by the whole
     # path; after it the error is what the relay and both ends' loops add unevenly.
     assert abs(report.error_ms_p50) < 10.0, report
+
+
+async def test_a_carriers_late_mark_echo_puts_its_playout_lag_on_the_way_out():
+    """The carrier plays 300 ms behind the pacer's estimate of its buffer: its mark echo says so."""
+    import asyncio
+    import json
+    import time
+
+    from telephony_support import spec
+
+    from lychee_rtc.config import TelephonySettings
+    from lychee_rtc.telephony.carriers import DIALECTS
+    from lychee_rtc.telephony.outbox import Outbox
+    from lychee_rtc.telephony.pacer import MARK_SOURCE, CarrierPacer
+
+    behind = [0.0]
+    dialect = DIALECTS["twilio"]()
+    dialect.parse(json.dumps(spec("twilio")["handshake"][-1]))
+    outbox = Outbox(10_000)
+    pacer = CarrierPacer(24000, dialect, outbox, TelephonySettings(lead_ms=100, mark_interval_ms=100),
+                         max_buffer_s=30, clock=lambda: time.monotonic() + behind[0])
+    task = asyncio.create_task(pacer.run())
+    try:
+        pacer.write(0, "r1", np.full(2400, 0.3, np.float32))  # 100 ms
+        pacer.end_response(0, "r1")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not (marks := [json.loads(item[1])["mark"]["name"] for item in outbox._items
+                             if json.loads(item[1])["event"] == "mark"]):
+            assert loop.time() < deadline, "the pacer sent no mark"
+            await asyncio.sleep(0.01)
+        assert pacer.transit.reports == 0
+        behind[0] = 0.3  # the echo comes 300 ms after this moment's estimate of the play end
+        pacer.on_mark(marks[-1])
+        # The audio before the mark was to end at most 100 ms (its length) after now.
+        assert pacer.transit.source == MARK_SOURCE
+        assert pacer.transit.way_in_s() == 0.0 and 0.19 <= pacer.transit.way_out_s() <= 0.31
+    finally:
+        task.cancel()
