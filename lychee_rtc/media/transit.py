@@ -30,6 +30,7 @@ class TransitEstimate:
         self.reports = 0
         self.source = "none"  # what measured it (recorded with the compensation it gives)
         self.out_share = 0.5
+        self._median = 0.0
 
     def observe(self, round_trip_s: float, source: str, out_share: float = 0.5) -> None:
         """A report: ``out_share`` of it lies on the way out (0.5: a symmetric path; 1: a far-end buffer)."""
@@ -39,13 +40,12 @@ class TransitEstimate:
         self.reports += 1
         self.source = source
         self.out_share = min(1.0, max(0.0, out_share))
+        ordered = sorted(self._round_trips)  # here, once a report: the stamps read it for every frame
+        mid = len(ordered) // 2
+        self._median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
     def round_trip_s(self) -> float:
-        if not self._round_trips:
-            return 0.0
-        ordered = sorted(self._round_trips)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        return self._median
 
     def way_in_s(self) -> float:
         """How long before it reached us the caller said what arrives now."""
