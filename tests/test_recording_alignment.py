@@ -151,3 +151,64 @@ async def test_a_carriers_late_mark_echo_puts_its_playout_lag_on_the_way_out():
         assert pacer.transit.way_in_s() == 0.0 and 0.19 <= pacer.transit.way_out_s() <= 0.31
     finally:
         task.cancel()
+
+
+class SentLog:
+    """What the pacer tells a recording (its ``sent_tap``): (samples, rate, when heard)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[np.ndarray, int, float]] = []
+
+    def agent_sent(self, pcm, rate, at) -> None:
+        self.sent.append((np.array(pcm), rate, at))
+
+    def agent_cut(self, at) -> None:
+        pass
+
+
+async def test_an_idle_carrier_is_recorded_as_silence_so_later_audio_keeps_its_time():
+    import asyncio
+    import json
+
+    from telephony_support import spec
+
+    from lychee_rtc.config import TelephonySettings
+    from lychee_rtc.telephony.carriers import DIALECTS
+    from lychee_rtc.telephony.outbox import Outbox
+    from lychee_rtc.telephony.pacer import CarrierPacer
+
+    dialect = DIALECTS["twilio"]()
+    dialect.parse(json.dumps(spec("twilio")["handshake"][-1]))
+    pacer = CarrierPacer(24000, dialect, Outbox(10_000), TelephonySettings(lead_ms=0), max_buffer_s=30)
+    log = SentLog()
+    pacer.sent_tap = log
+    loop = asyncio.get_running_loop()
+
+    async def until(condition, what: str) -> None:
+        deadline = loop.time() + 10
+        while not condition():
+            assert loop.time() < deadline, what
+            await asyncio.sleep(0.005)
+
+    def loud() -> list[tuple[np.ndarray, int, float]]:
+        return [e for e in log.sent if np.any(e[0] != 0)]
+
+    task = asyncio.create_task(pacer.run())
+    try:
+        pacer.write(0, "r1", np.full(480, 0.3, np.float32))  # one 20 ms answer
+        pacer.end_response(0, "r1")
+        await until(lambda: loud() and not pacer._has_audio(), "the first answer was not sent")
+        dry_at = pacer._carrier_until
+        await until(lambda: pacer._clock() > dry_at + 0.06, "the clock stood still")  # idle 60 ms or more
+        heard = len(loud())
+        pacer.write(0, "r2", np.full(480, 0.3, np.float32))
+        pacer.end_response(0, "r2")
+        await until(lambda: len(loud()) > heard, "the answer after the idle was not sent")
+        # What the recording is told is one stream without holes, on the pacer's clock: each piece
+        # starts where the one before ended, and the idle (60 ms or more) is silence in it.
+        for (pcm, rate, at), (_, _, next_at) in zip(log.sent, log.sent[1:]):
+            assert math.isclose(at + len(pcm) / rate, next_at, abs_tol=1 / rate), [(len(e[0]), e[2]) for e in log.sent]
+        idle = [e for e in log.sent if e[2] >= dry_at - 1e-9 and e[2] < loud()[heard][2]]
+        assert sum(len(e[0]) for e in idle) / 8000 >= 0.06 and all(not np.any(e[0]) for e in idle)
+    finally:
+        task.cancel()
