@@ -82,8 +82,10 @@ class CallRecorder:
 
     def agent_cut(self, at: float) -> None:
         """Audio sent but not yet heard was taken back (a carrier's flush): it never played."""
-        if not self.closed:  # on the agent channel's clock, as its frames are stamped
-            self._submit(("cut", AGENT, at + self.codec_delay_s + self._transit()[AGENT]))
+        # Not moved by the way out: that is mostly the carrier's buffer, which the flush empties
+        # the moment it arrives; the flush's own transit is not measured.
+        if not self.closed:
+            self._submit(("cut", AGENT, at))
 
     def event(self, event: dict[str, Any]) -> None:
         """A session event (an ``EventStream`` listener): a sidecar line, stamped now."""
