@@ -211,14 +211,17 @@ async def measure(transport: str, count: int, interval_s: float, directory: Path
         if transport == "webrtc" and delay_ms:
             from lychee_rtc.bench.impairment import ImpairedPath, PathSettings
 
-            # Media and RTCP both go through the relay, each way delayed alike.
+            # Media and RTCP both go through the relay, each way delayed alike. It stays up until the
+            # recording is complete: the caller's hang-up (DTLS close) goes through it too.
             async with ImpairedPath(url, PathSettings.symmetric(delay_up_ms=delay_ms, delay_down_ms=delay_ms)) as path:
                 session_id, mouths, ears = await webrtc_call(path.url, count, interval_s, jitter_buffer)
-        elif transport == "webrtc":
-            session_id, mouths, ears = await webrtc_call(url, count, interval_s, jitter_buffer)
+                await wait_complete(directory / session_id / "meta.json")
         else:
-            session_id, mouths, ears = await carrier_call(url, count, interval_s)
-        await wait_complete(directory / session_id / "meta.json")
+            if transport == "webrtc":
+                session_id, mouths, ears = await webrtc_call(url, count, interval_s, jitter_buffer)
+            else:
+                session_id, mouths, ears = await carrier_call(url, count, interval_s)
+            await wait_complete(directory / session_id / "meta.json")
     audio = read_recording(directory / session_id / "audio.ogg")
     said = placed(heard_onsets(audio[:, 0], REC_RATE, count), mouths, interval_s)
     heard = placed(heard_onsets(audio[:, 1], REC_RATE, count), ears, interval_s)
