@@ -105,13 +105,15 @@ async def test_the_channels_stay_aligned_over_a_longer_path(tmp_path):
     uncompensated the two channels would lie about 80 ms short of what the caller lived through."""
     from lychee_rtc.bench.recording_alignment import measure
 
-    report = await measure("webrtc", 10, 0.5, tmp_path, lead_ms=0, delay_ms=40.0)
-    assert report.found >= 8, report
+    report = await measure("webrtc", 16, 0.5, tmp_path, lead_ms=0, delay_ms=40.0)
+    assert report.found >= 14, report
     assert 35.0 <= report.compensation["way_out_ms_last"] <= 80.0, report.compensation
     assert report.compensation["transit_source"] == "rtcp_round_trip"
-    # The chirps before the first round trip (about 1-3 s into the call) are off by the whole
-    # path; after it the error is what the relay and both ends' loops add unevenly.
-    assert abs(report.error_ms_p50) < 10.0, report
+    # The chirps before the first round trip (1-3 s into the call, later if the first receiver
+    # reports answer an older sender report) are off by the whole path; those of the second half
+    # (5-9 s in) are judged, where the error is what the relay and both ends' loops add unevenly.
+    later = report.errors_ms[len(report.errors_ms) // 2:]
+    assert abs(float(np.median(later))) < 10.0, report
 
 
 async def test_a_carriers_late_mark_echo_puts_its_playout_lag_on_the_way_out():
