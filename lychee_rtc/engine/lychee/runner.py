@@ -386,6 +386,26 @@ class LycheeRunner:
         spare = [i for i, s in busy.items() if s.prefix_len + len(s.text) + 2 * CHUNK <= self.settings.max_seq]
         return batch_rows(slots, self.buckets, busy, self.scratch, spare)
 
+    def _pad_positions(self, rows: BatchRows, first: np.ndarray, n: int) -> np.ndarray:
+        """First positions of a batch's rows: ``first`` holds the real rows'; each padding row writes
+        its ``n`` positions where nothing is read before it is fed again (``graphs.py``), as low as
+        that allows, because on a CPU attention reads keys up to the batch's furthest position:
+
+        * the row of an open slot outside the batch: just past what that slot will have fed after
+          this step (its decided positions and a window more; ``_batch_rows`` lends the row only
+          while that ends a window below the top);
+        * the scratch row or a free row (nothing reads it): the batch's furthest real position.
+        """
+        top = self.settings.max_seq - n
+        out = first.copy()
+        furthest = int(max(first[r] for r in rows.real)) if rows.real else top
+        for r in rows.padding():
+            row = rows.rows[r]
+            owner = self.slots[row] if row < self.max_sessions else None
+            at = furthest if owner is None else owner.prefix_len + len(owner.text) + CHUNK
+            out[r] = min(max(at, 0), top)
+        return out
+
     def _state_rows(self, rows: BatchRows, slots: list[int]) -> np.ndarray:
         """Rule-state rows of a batch: each slot's own; padding keeps its state in the scratch row."""
         out = np.full(rows.size, self.scratch, dtype=np.int64)
@@ -415,13 +435,13 @@ class LycheeRunner:
         b = rows.size
         tokens = np.empty((b, 3, n), dtype=np.int64)
         tokens[:] = np.array([t.text_pad, t.stoken_pad, t.sleep])[:, None]
-        # Padding rows write the top positions of their rows (graphs.py: never read before fed).
-        pos = np.tile(np.arange(self.settings.max_seq - n, self.settings.max_seq, dtype=np.int64), (b, 1))
+        first = np.zeros(b, dtype=np.int64)
         audio_idx = np.full((b, n), -1, dtype=np.int64)
         for r, s, i in zip(rows.real, batch, group):
             tokens[r] = [s.text[s.fed:], s.stoken[s.fed:], s.control[s.fed:]]
-            pos[r] = np.arange(n) + s.prefix_len + s.fed
+            first[r] = s.prefix_len + s.fed
             audio_idx[r] = self._audio_index(s, i, n)
+        pos = self._pad_positions(rows, first, n)[:, None] + np.arange(n, dtype=np.int64)
         buf = prog.buffers
         assert isinstance(buf, ListenBuffers)
         self._upload(buf.tokens, tokens)
@@ -441,7 +461,7 @@ class LycheeRunner:
         assert isinstance(buf, SpeakBuffers)
         b = rows.size
         pending = np.tile(np.array([t.text_pad, t.stoken_pad, t.sleep], dtype=np.int64), (b, 1))
-        base_pos = np.full((b, 1), self.settings.max_seq - CHUNK, dtype=np.int64)  # padding: the top (graphs.py)
+        base_pos = np.zeros(b, dtype=np.int64)
         hist_len = np.zeros(b, dtype=np.int64)
         temperature = np.zeros(b, dtype=np.float32)
         audio_idx = np.full((b, CHUNK), -1, dtype=np.int64)
@@ -455,6 +475,7 @@ class LycheeRunner:
             # the same order, as ten draws of one step each).
             assert s.generator is not None
             buf.noise[r].uniform_(generator=s.generator)
+        base_pos = self._pad_positions(rows, base_pos, CHUNK)[:, None]
         for dst, src in ((buf.pending, pending), (buf.base_pos, base_pos), (buf.hist_len, hist_len),
                          (buf.temperature, temperature), (buf.audio_idx, audio_idx),
                          (buf.rows, self._state_rows(rows, slots))):
