@@ -241,14 +241,33 @@ def live_state(r: LycheeRunner, s: int) -> tuple[list[int], list[Tensor]]:
 
 def test_a_batch_with_a_gap_reads_rows_in_place_and_matches_each_session_alone(model, tok):
     """Sessions 0, 1 and 3 speak while 2 listens (the common C4 window): the speaking batch runs in
-    place as rows 0..3 with row 2 as padding (at the top of its row, its rule state in the scratch
-    row), the listener as row 2 alone. Then 2 speaks too, its no-repeat rule reading the speech
-    history of the windows in which it lent its row. Every stream, sampled speech included, is the
-    one each session makes on its own, and the one of a runner that gathers every batch instead."""
+    place as rows 0..3 with row 2 as padding (just past what the listener will have fed after
+    the step, its rule state in the scratch row), the listener as row 2 alone. Then 2 speaks too,
+    its no-repeat rule reading the speech history of the windows in which it lent its row. Every
+    stream, sampled speech included, is the one each session makes on its own, and the one of a
+    runner that gathers every batch instead."""
     settings = RunnerSettings(max_seq=512, max_speech_tokens=10**6)
     commits = {0: 0, 1: 0, 2: 8, 3: 0}
     r = LycheeRunner(model, tok, 4, settings)
+    padded: list[tuple[int, int, int]] = []  # (padding's first position, listener's decided end, speakers' furthest)
+    pad_positions = r._pad_positions
+
+    def spy(rows, first, n):
+        out = pad_positions(rows, first, n)
+        if n == 10 and rows.padding() and rows.rows[rows.padding()[0]] == 2:
+            listener = r.slots[2]
+            padded.append((int(out[rows.padding()[0]]), listener.prefix_len + len(listener.text),
+                           int(max(first[i] for i in rows.real))))
+        return out
+
+    r._pad_positions = spy
     mixed = commit_at(r, commits, 14, seed=60)
+    # Row 2's padding writes past every position the listener feeds in that step (it lands at
+    # the decided end plus a window), not at the top of the row: attention on a CPU reads keys
+    # only up to the batch's furthest position, so a mixed window reads as few as an all-speaking one.
+    assert len(padded) >= 6
+    for at, decided, furthest in padded:
+        assert at == decided + 10 and at + 10 <= furthest + 3 * 10 < settings.max_seq - 10, (at, decided, furthest)
     state = {s: live_state(r, s) for s in commits}
     assert ("speak", 10, 4, 0) in r.programs and ("listen", 10, 1, 2) in r.programs
     assert not any(key[3] is None for key in r.programs)  # nothing was gathered

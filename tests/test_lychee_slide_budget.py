@@ -21,10 +21,22 @@ from lychee_rtc.engine.base import Control, ControlKind, EngineError, SessionOpt
 from lychee_rtc.engine.lychee.backend import LycheeEngineSettings, SettingsError, build_lychee_backend
 from lychee_rtc.engine.lychee.checkpoint import load_model
 from lychee_rtc.engine.lychee.context import ContextSettingsError, SlidePolicy
-from lychee_rtc.engine.lychee.runner import LycheeRunner, RunnerSettings
+from lychee_rtc.engine.lychee.runner import SHARE_DEADLINE_S, LycheeRunner, RunnerSettings
 from lychee_rtc.engine.lychee.scoring import score_teacher_forced
 from lychee_rtc.engine.lychee.slide import SlideJob
-from lychee_rtc.engine.lychee.slide_budget import Claim, batches, cost, fits, fixed_cost, levelled, pace, padded, share
+from lychee_rtc.engine.lychee.slide_budget import (
+    Claim,
+    batches,
+    cost,
+    fits,
+    fixed_cost,
+    levelled,
+    pace,
+    padded,
+    share,
+    urgent_cost,
+    window_budget,
+)
 from lychee_rtc.engine.lychee.slot import Mode
 from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
 from lychee_rtc.engine.lychee.tokenizer import Tokenizer
@@ -143,6 +155,53 @@ def test_share_goes_to_the_nearest_slide_point_first_within_the_budget():
         for i, c in enumerate(cs):
             if g[i] < pace(c.known, c.steps_left):
                 assert all(g[j] == 0 for j, d in enumerate(cs) if (d.steps_left, d.slot) > (c.steps_left, c.slot))
+
+
+def test_a_dear_window_gets_a_smaller_share_but_never_less_than_the_urgent_slides_need():
+    fixed = 100
+    paced = Claim(0, steps_left=30, known=200, staged=50, total=400)  # far from its slide point
+    urgent = Claim(1, steps_left=3, known=40, staged=300, total=400)  # its last paced step (reserve 2)
+    late = Claim(2, steps_left=0, known=10, staged=390, total=400)
+    need = cost(300, 340, fixed) + cost(390, 400, fixed)
+    assert urgent_cost([paced, urgent, late], fixed) == need and urgent_cost([paced], fixed) == 0
+    # unmeasured: the whole budget; measured: what the time left buys, within [urgent, budget]
+    assert window_budget(1e6, need, 0.0, None) == 1e6
+    assert window_budget(1e6, need, 0.05, 1e-8) == 1e6  # the time left buys more than the budget
+    assert window_budget(1e6, need, 0.05, 1e-6) == pytest.approx(50000.0)
+    assert window_budget(1e6, need, -0.2, 1e-6) == need  # the window alone overran: urgent only
+    # the share of a cut budget still gives the urgent claims all they know, the paced one less
+    claims = [paced, urgent, late]
+    full = share(claims, 1e6, least=10, fixed=fixed)
+    cut = share(claims, window_budget(1e6, need, 0.0, 1e-6), least=10, fixed=fixed)
+    assert cut[1:] == full[1:] == [40, 10] and cut[0] == 0 < full[0]
+
+
+def test_slides_stay_on_time_and_exact_when_every_window_is_dear(ckpt):
+    """Every window reported as taking all of the step's time (a slow or busy CPU): each step's
+    share is cut to what the slides in their last paced steps need, the backlog waits there, and
+    still every slide takes effect at its point with the caches of a fresh forward."""
+    model, ref = load_model(ckpt, dtype="fp32", progress=False), load_model(ckpt, dtype="fp32", progress=False)
+    tok = Tokenizer.from_dir(ckpt)
+    r = LycheeRunner(model, tok, 4, RunnerSettings(**SMALL, seed=1))
+    assert r.share_clock is not None  # a CPU runner measures its windows
+    ticks = iter(range(10**9))
+    r.share_clock = lambda: next(ticks) * SHARE_DEADLINE_S  # every window "took" the whole step
+    wins = {i: windows(8, 30 + i) for i in range(4)}
+    for i in range(4):
+        r.open(i, SessionOptions(seed=i))
+    checked = 0
+    for k in range(50):
+        slides0 = [s.context_slides for s in r.slots]
+        r.step([(i, wins[i][(k + i) % 8], 0) for i in range(4)])
+        for i, s in enumerate(r.slots):
+            if s.context_slides > slides0[i]:
+                assert len(s.text) == r.policy.kept(s.prefix_len, s.prefix_len)  # on time
+                assert_caches_are_a_fresh_forward(model, ref, r.tok, s, [wins[i][(j + i) % 8] for j in range(50)])
+                checked += 1
+    st = r.slide_stats
+    assert r.per_cost_s is not None and st.held >= 30  # measured, then nearly every step held back
+    assert st.late == 0 and st.fallbacks == 0 and checked == st.slides >= 12
+    assert all(s.context_resets == 0 for s in r.slots)
 
 
 def test_batches_pad_only_within_the_spare_budget():

@@ -104,6 +104,7 @@ class Row:
     prefill_positions: int  # per slide event, all sessions
     peak_gib: float | None
     raw: list[Window] = field(default_factory=list)
+    held: int = 0  # steps whose share was cut because their own window was dear (CPU only)
 
 
 def measure(model, tokenizer, sessions: int, *, max_seq: int, window: int | None, step: int | None,
@@ -129,10 +130,10 @@ def measure(model, tokenizer, sessions: int, *, max_seq: int, window: int | None
     clock = {"ms": 0.0, "cpu": 0.0}
     advance = runner._advance_slides
 
-    def timed_slides(states):  # the step's slide share, timed on its own (a bench-only wrapper)
+    def timed_slides(states, *args):  # the step's slide share, timed on its own (a bench-only wrapper)
         sync()
         c0, t0 = time.process_time(), time.perf_counter()
-        advance(states)
+        advance(states, *args)
         sync()
         clock["ms"], clock["cpu"] = (time.perf_counter() - t0) * 1000.0, (time.process_time() - c0) * 1000.0
 
@@ -183,7 +184,9 @@ def measure(model, tokenizer, sessions: int, *, max_seq: int, window: int | None
     for s in range(sessions):
         runner.close(s)
     geometry = (first.prefix_len, runner.policy.kept(first.prefix_len, first.prefix_len), runner.policy.step)
-    return summarise(sessions, geometry, out, all_ms, all_cpu, events, resets, peak, stats)
+    row = summarise(sessions, geometry, out, all_ms, all_cpu, events, resets, peak, stats)
+    row.held = stats.held
+    return row
 
 
 def summarise(sessions: int, geometry: tuple[int, int, int], windows: list[Window], all_ms: list[float],

@@ -18,11 +18,15 @@ lone slot 2 as row 2) and is gathered only when none fits.
 
 Padding rows never change what a live session reads. A padding row in a window is a free row, the
 *scratch* row (index ``max_sessions``, owned by no slot), or the row of an open slot that is not in
-this batch: it then writes keys only at the top ``T`` positions of that row, which the runner allows
-only while the slot's conversation ends at least a window below them; such positions are never read
-before the slot itself feeds them (attention is causal), so what the padding left there is
-overwritten first. Padding rows keep their rule state (speech history, counters) in the scratch
-row. A gathered batch pads with the scratch row, which several padding rows may write at once.
+this batch: it then writes its ``T`` positions just past what that slot will have fed after the
+step (its decided positions and a window more), which the runner allows only while that ends at
+least a window below the top of the row; such positions are never read before the slot itself
+feeds them (attention is causal), so what the padding left there is overwritten first. In the
+scratch or a free row it writes at the batch's furthest real position. Not at the top: on a CPU
+attention reads keys only up to the batch's furthest position, and a padding row at the top would
+make every row read all ``max_seq``. Padding rows keep their rule state (speech history, counters)
+in the scratch row. A gathered batch pads with the scratch row, which several padding rows may
+write at once.
 
 Why hand-captured graphs rather than ``torch.compile(mode="reduce-overhead")``: the step keeps
 per-row state in plain tensors that the runner also reads and resets between windows, the capture
@@ -98,7 +102,7 @@ def batch_rows(slots: Sequence[int], buckets: Sequence[int], busy: Collection[in
     """Cache rows for the real ``slots``: the smallest bucket with a window that holds them all and
     whose other rows are free, the scratch row, or ``spare``; else gathered, padded with the scratch.
 
-    ``busy`` holds every open slot; ``spare`` those whose rows padding may write at their top
+    ``busy`` holds every open slot; ``spare`` those whose rows padding may write above their conversation
     positions (the runner's rule: their conversation ends well below them).
     """
     n = len(slots)

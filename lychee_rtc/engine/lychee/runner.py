@@ -44,6 +44,7 @@ to the host in one transfer at the end of the step.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -69,13 +70,18 @@ from .graphs import (
 )
 from .model import LycheeFD
 from .slide import FeatureStore, Piece, SlideJob, Slider, SlideStats
-from .slide_budget import Claim, cost, fixed_cost, share
+from .slide_budget import Claim, cost, fixed_cost, share, urgent_cost, window_budget
 from .slot import Mode, SlotMachine, SlotResult, SlotState
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant."
+# On a CPU, a window step (its own forwards and its slide share) should end within this much of
+# the thread's CPU time; a share is cut to what is left of it (never what a slide needs to be on
+# time). 400 ms is the window's deadline; the rest is room for the estimate's error.
+SHARE_DEADLINE_S = 0.34
+PER_COST_SMOOTHING = 0.2  # weight of the newest share in the running seconds-per-cost estimate"
 SYSTEM_TEMPLATE = "<|BOT|>system\n{instructions}<|EOT|>"  # the reference's fixed prefix for the default
 
 
@@ -172,6 +178,11 @@ class LycheeRunner:
             self.slider = Slider(model, self.store, self.tok.audio_pad,
                                  pad_ratio=float("inf") if self.device.type == "cuda" else 1.25)
         self.slots: list[SlotState | None] = [None] * max_sessions
+        # The share's clock: on a CPU the engine thread's CPU time, what the window's own forwards
+        # and the share both spend. None on a GPU: a window takes tens of ms there and the share's
+        # kernels queue behind it, so a host clock would not measure either.
+        self.share_clock = time.thread_time if self.device.type == "cpu" else None
+        self.per_cost_s: float | None = None  # recent shares' seconds per unit of cost
         # Graphs are captured here, before any slot opens: a capture's warm-up writes the caches.
         self.graphs_captured = use_cuda_graphs(settings.cuda_graphs, self.device)
         self.window_programs = WindowPrograms(model, self.rules, self.rule_rows, self.buckets, self.scratch,
@@ -278,6 +289,8 @@ class LycheeRunner:
     @torch.no_grad()
     def step(self, items: Sequence[tuple[int, np.ndarray, int]]) -> list[SlotResult]:
         """One batched step over (slot, 6400-sample window, epoch) items; results in order."""
+        clock = self.share_clock
+        started = clock() if clock is not None else 0.0
         results: list[SlotResult] = []
         states: list[SlotState] = []
         for slot, _, epoch in items:
@@ -316,16 +329,18 @@ class LycheeRunner:
                 else:
                     self.machine.after_speaking(states[i], results[i], first, probs)
         # The window's results are on the host: now, off its critical path, the slides' share.
-        self._advance_slides(states)
+        self._advance_slides(states, None if clock is None else clock() - started)
         return results
 
-    def _advance_slides(self, states: list[SlotState]) -> None:
+    def _advance_slides(self, states: list[SlotState], spent_s: float | None = None) -> None:
         """Start, feed and finish the context slides of the slots stepped now (``slide.py``).
 
         A slot's next slide starts as soon as its last one took effect (or at open), so its
         re-prefill has a whole slide step to run in; the step's budget goes to the nearest slide
         points first; a slide takes effect at its point if its staging row has caught up, later
         (counted late) if not, and if the slot reaches its end first the last resort resets it.
+        ``spent_s``: what the window itself took on the share's clock; a dear window gets a smaller
+        share (``slide_budget.window_budget``), the pace of the next steps taking up the rest.
         """
         stats = self.slide_stats
         stats.new_step()
@@ -346,17 +361,28 @@ class LycheeRunner:
             grants = share(claims, policy.budget, least=policy.rate)
             spare = policy.budget - sum(grants)
         else:
-            grants = share(claims, policy.budget_cost, least=policy.rate, fixed=policy.fixed)
+            budget = policy.budget_cost
+            if spent_s is not None:
+                budget = window_budget(budget, urgent_cost(claims, policy.fixed), SHARE_DEADLINE_S - spent_s,
+                                       self.per_cost_s)
+                stats.held += budget < policy.budget_cost and any(c.known > 0 for c in claims)
+            grants = share(claims, budget, least=policy.rate, fixed=policy.fixed)
             stats.budget_cost = policy.budget_cost
             stats.cost = sum(cost(c.staged, c.staged + g, policy.fixed) for c, g in zip(claims, grants))
             stats.most_cost = max(stats.most_cost, stats.cost)
             # padding may use what is left, priced as positions at the largest context
-            spare = int((policy.budget_cost - stats.cost) // (policy.fixed + policy.context))
+            spare = int((budget - stats.cost) // (policy.fixed + policy.context))
         pieces = [Piece(job, s.index, self.staging_row(s.index), job.staged + g, s.text, s.stoken, s.control)
                   for (s, job), g in zip(active, grants) if g]
         stats.positions, stats.pieces = sum(grants), len(pieces)
         if pieces:
+            clock = self.share_clock
+            began = clock() if clock is not None else 0.0
             stats.computed, stats.forwards = self.slider.stage(pieces, max(0, spare))
+            if clock is not None and stats.cost > 0:
+                per = (clock() - began) / stats.cost
+                old = self.per_cost_s
+                self.per_cost_s = per if old is None else old + PER_COST_SMOOTHING * (per - old)
             stats.most_computed = max(stats.most_computed, stats.computed)
         for s, job in active:
             if job.ready(len(s.text), s.fed):

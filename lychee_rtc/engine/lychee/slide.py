@@ -141,6 +141,7 @@ class SlideStats:
     budget_cost: float = 0.0  # the budget in cost (``SlidePolicy.budget_cost``; 0: counted in positions)
     cost: int = 0  # the last step's cost (``slide_budget.cost``, padding not counted): within budget_cost
     most_cost: int = 0  # the largest ``cost`` of any step
+    held: int = 0  # since the runner started: steps whose share was cut because their window was dear
 
     def new_step(self) -> None:
         self.positions = self.computed = self.pieces = self.forwards = self.switches = self.cost = 0

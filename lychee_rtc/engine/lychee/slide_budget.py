@@ -128,6 +128,22 @@ def share(claims: Sequence[Claim], budget: float, least: int = 0, fixed: int | N
     return grants
 
 
+def urgent_cost(claims: Sequence[Claim], fixed: int, reserve: int = RESERVE_STEPS) -> int:
+    """Cost of what the claims in their last paced step stage now (``levelled`` gives them all they
+    know there): what no step may hold back without making a slide late."""
+    return sum(cost(c.staged, c.staged + max(0, c.known), fixed) for c in claims if c.steps_left - reserve <= 1)
+
+
+def window_budget(budget: float, urgent: float, left_s: float, per_cost_s: float | None) -> float:
+    """This step's budget in cost when its window itself took ``left_s`` short of the step's time:
+    what that time buys at ``per_cost_s`` (seconds per unit of cost, measured on recent shares), at
+    most ``budget`` and never less than ``urgent``. Unmeasured yet (None): the whole budget. What a
+    step holds back stays known and is spread over the steps left by the next steps' pace."""
+    if per_cost_s is None or per_cost_s <= 0:
+        return budget
+    return max(float(urgent), min(budget, max(0.0, left_s) / per_cost_s))
+
+
 def batches(pieces: Sequence[tuple[int, int]], spare: int, pad_ratio: float) -> list[list[int]]:
     """Indices of ``pieces`` (``(lo, hi)`` positions of each slot's new context) grouped into
     forwards. ``spare``: positions of the budget left ungranted, what padding may use;
