@@ -25,17 +25,17 @@ from lychee_rtc.engine.lychee.runner import SHARE_DEADLINE_S, LycheeRunner, Runn
 from lychee_rtc.engine.lychee.scoring import score_teacher_forced
 from lychee_rtc.engine.lychee.slide import SlideJob
 from lychee_rtc.engine.lychee.slide_budget import (
+    HOLD_FLOOR,
     Claim,
     batches,
     cost,
     fits,
     fixed_cost,
+    held_back,
     levelled,
     pace,
     padded,
     share,
-    urgent_cost,
-    window_budget,
 )
 from lychee_rtc.engine.lychee.slot import Mode
 from lychee_rtc.engine.lychee.tiny import TinySpec, write_tiny_checkpoint
@@ -157,32 +157,33 @@ def test_share_goes_to_the_nearest_slide_point_first_within_the_budget():
                 assert all(g[j] == 0 for j, d in enumerate(cs) if (d.steps_left, d.slot) > (c.steps_left, c.slot))
 
 
-def test_a_dear_window_gets_a_smaller_share_but_never_less_than_the_urgent_slides_need():
+def test_a_dear_window_cuts_only_far_slides_evenly_and_never_below_the_floor():
     fixed = 100
-    paced = Claim(0, steps_left=30, known=200, staged=50, total=400)  # far from its slide point
-    urgent = Claim(1, steps_left=3, known=40, staged=300, total=400)  # its last paced step (reserve 2)
-    late = Claim(2, steps_left=0, known=10, staged=390, total=400)
-    need = cost(300, 340, fixed) + cost(390, 400, fixed)
-    assert urgent_cost([paced, urgent, late], fixed) == need and urgent_cost([paced], fixed) == 0
-    # unmeasured: the whole budget; measured: what the time left buys, within [urgent, budget]
-    assert window_budget(1e6, need, 0.0, None) == 1e6
-    assert window_budget(1e6, need, 0.05, 1e-8) == 1e6  # the time left buys more than the budget
-    assert window_budget(1e6, need, 0.05, 1e-6) == pytest.approx(50000.0)
-    assert window_budget(1e6, need, -0.2, 1e-6) == need  # the window alone overran: urgent only
-    # the share of a cut budget still gives the urgent claims all they know, the paced one less
-    claims = [paced, urgent, late]
-    full = share(claims, 1e6, least=10, fixed=fixed)
-    cut = share(claims, window_budget(1e6, need, 0.0, 1e-6), least=10, fixed=fixed)
-    assert cut[1:] == full[1:] == [40, 10] and cut[0] == 0 < full[0]
+    far = [Claim(i, steps_left=40, known=300, staged=50, total=400) for i in range(2)]  # aligned, far
+    near = Claim(2, steps_left=2 + 8, known=40, staged=300, total=400)  # within the horizon (8 + reserve 2)
+    claims = far + [near]
+    grants = share(claims, 1e9, least=10, fixed=fixed)
+    assert grants[0] == grants[1] > 0 and grants[2] > 0
+    costs = [cost(c.staged, c.staged + g, fixed) for c, g in zip(claims, grants)]
+    assert held_back(claims, grants, fixed, sum(costs)) == grants  # it fits: nothing cut
+    half = costs[2] + 0.5 * (costs[0] + costs[1])
+    cut = held_back(claims, grants, fixed, half)
+    assert cut[2] == grants[2]  # near its slide point: whole
+    assert cut[0] == cut[1] == fits(50, 0.5 * costs[0], fixed) < grants[0]  # the same fraction each
+    floor = held_back(claims, grants, fixed, 0.0)  # the window alone overran
+    assert floor[2] == grants[2] and floor[0] == floor[1] == fits(50, HOLD_FLOOR * costs[0], fixed) > 0
+    assert held_back(claims, grants, fixed, 0.0, floor=0.0)[:2] == [0, 0]
 
 
 def test_slides_stay_on_time_and_exact_when_every_window_is_dear(ckpt):
     """Every window reported as taking all of the step's time (a slow or busy CPU): each step's
-    share is cut to what the slides in their last paced steps need, the backlog waits there, and
-    still every slide takes effect at its point with the caches of a fresh forward."""
+    share is cut to the floor for slides far from their slide point, what is held back is staged in
+    the steps before it, and still every slide takes effect at its point with the caches of a
+    fresh forward."""
     model, ref = load_model(ckpt, dtype="fp32", progress=False), load_model(ckpt, dtype="fp32", progress=False)
     tok = Tokenizer.from_dir(ckpt)
-    r = LycheeRunner(model, tok, 4, RunnerSettings(**SMALL, seed=1))
+    # slides 20 steps apart, so that a slide spends steps beyond the horizon where it may be cut
+    r = LycheeRunner(model, tok, 4, RunnerSettings(max_seq=512, context_window=200, context_slide_step=200, seed=1))
     assert r.share_clock is not None  # a CPU runner measures its windows
     ticks = iter(range(10**9))
     r.share_clock = lambda: next(ticks) * SHARE_DEADLINE_S  # every window "took" the whole step
@@ -190,16 +191,16 @@ def test_slides_stay_on_time_and_exact_when_every_window_is_dear(ckpt):
     for i in range(4):
         r.open(i, SessionOptions(seed=i))
     checked = 0
-    for k in range(50):
+    for k in range(90):
         slides0 = [s.context_slides for s in r.slots]
         r.step([(i, wins[i][(k + i) % 8], 0) for i in range(4)])
         for i, s in enumerate(r.slots):
             if s.context_slides > slides0[i]:
                 assert len(s.text) == r.policy.kept(s.prefix_len, s.prefix_len)  # on time
-                assert_caches_are_a_fresh_forward(model, ref, r.tok, s, [wins[i][(j + i) % 8] for j in range(50)])
+                assert_caches_are_a_fresh_forward(model, ref, r.tok, s, [wins[i][(j + i) % 8] for j in range(90)])
                 checked += 1
     st = r.slide_stats
-    assert r.per_cost_s is not None and st.held >= 30  # measured, then nearly every step held back
+    assert r.per_cost_s is not None and st.held >= 5  # measured, then held back
     assert st.late == 0 and st.fallbacks == 0 and checked == st.slides >= 12
     assert all(s.context_resets == 0 for s in r.slots)
 

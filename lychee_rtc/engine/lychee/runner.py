@@ -70,7 +70,7 @@ from .graphs import (
 )
 from .model import LycheeFD
 from .slide import FeatureStore, Piece, SlideJob, Slider, SlideStats
-from .slide_budget import Claim, cost, fixed_cost, share, urgent_cost, window_budget
+from .slide_budget import Claim, cost, fixed_cost, held_back, share
 from .slot import Mode, SlotMachine, SlotResult, SlotState
 from .tokenizer import Tokenizer
 
@@ -340,7 +340,7 @@ class LycheeRunner:
         points first; a slide takes effect at its point if its staging row has caught up, later
         (counted late) if not, and if the slot reaches its end first the last resort resets it.
         ``spent_s``: what the window itself took on the share's clock; a dear window gets a smaller
-        share (``slide_budget.window_budget``), the pace of the next steps taking up the rest.
+        share (``slide_budget.held_back``), the pace of the next steps taking up the rest.
         """
         stats = self.slide_stats
         stats.new_step()
@@ -361,17 +361,19 @@ class LycheeRunner:
             grants = share(claims, policy.budget, least=policy.rate)
             spare = policy.budget - sum(grants)
         else:
-            budget = policy.budget_cost
-            if spent_s is not None:
-                budget = window_budget(budget, urgent_cost(claims, policy.fixed), SHARE_DEADLINE_S - spent_s,
-                                       self.per_cost_s)
-                stats.held += budget < policy.budget_cost and any(c.known > 0 for c in claims)
-            grants = share(claims, budget, least=policy.rate, fixed=policy.fixed)
+            grants = share(claims, policy.budget_cost, least=policy.rate, fixed=policy.fixed)
+            limit = policy.budget_cost
+            if spent_s is not None and self.per_cost_s:
+                allowed = max(0.0, SHARE_DEADLINE_S - spent_s) / self.per_cost_s
+                cut = held_back(claims, grants, policy.fixed, allowed)
+                if cut != grants:
+                    stats.held += 1
+                    grants, limit = cut, min(limit, allowed)
             stats.budget_cost = policy.budget_cost
             stats.cost = sum(cost(c.staged, c.staged + g, policy.fixed) for c, g in zip(claims, grants))
             stats.most_cost = max(stats.most_cost, stats.cost)
             # padding may use what is left, priced as positions at the largest context
-            spare = int((budget - stats.cost) // (policy.fixed + policy.context))
+            spare = int((limit - stats.cost) // (policy.fixed + policy.context))
         pieces = [Piece(job, s.index, self.staging_row(s.index), job.staged + g, s.text, s.stoken, s.control)
                   for (s, job), g in zip(active, grants) if g]
         stats.positions, stats.pieces = sum(grants), len(pieces)

@@ -128,20 +128,32 @@ def share(claims: Sequence[Claim], budget: float, least: int = 0, fixed: int | N
     return grants
 
 
-def urgent_cost(claims: Sequence[Claim], fixed: int, reserve: int = RESERVE_STEPS) -> int:
-    """Cost of what the claims in their last paced step stage now (``levelled`` gives them all they
-    know there): what no step may hold back without making a slide late."""
-    return sum(cost(c.staged, c.staged + max(0, c.known), fixed) for c in claims if c.steps_left - reserve <= 1)
+# A dear window's share (``held_back``): only slides more than this many steps before their last
+# paced step are cut, so what a cut holds back is spread over at least that many later steps; and
+# each keeps at least this fraction of its grant's cost, so that cuts in a row never pile up into
+# one burst at the end of a slide step.
+HOLD_HORIZON = 8
+HOLD_FLOOR = 0.25
 
 
-def window_budget(budget: float, urgent: float, left_s: float, per_cost_s: float | None) -> float:
-    """This step's budget in cost when its window itself took ``left_s`` short of the step's time:
-    what that time buys at ``per_cost_s`` (seconds per unit of cost, measured on recent shares), at
-    most ``budget`` and never less than ``urgent``. Unmeasured yet (None): the whole budget. What a
-    step holds back stays known and is spread over the steps left by the next steps' pace."""
-    if per_cost_s is None or per_cost_s <= 0:
-        return budget
-    return max(float(urgent), min(budget, max(0.0, left_s) / per_cost_s))
+def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowed: float,
+              horizon: int = HOLD_HORIZON, floor: float = HOLD_FLOOR, reserve: int = RESERVE_STEPS) -> list[int]:
+    """The grants of a step whose window left only ``allowed`` (in cost) for its share: slides more
+    than ``horizon`` steps from their last paced step each keep the same fraction of their grant's
+    cost (so slides that were aligned stay aligned, their pieces batched), the largest that fits
+    ``allowed`` beside the others' grants, at least ``floor``; the others keep theirs. What a step
+    holds back stays known and the next steps' pace spreads it over the steps left."""
+    costs = [cost(c.staged, c.staged + g, fixed) for c, g in zip(claims, grants)]
+    free = [i for i, c in enumerate(claims) if c.steps_left - reserve > horizon and grants[i]]
+    flex = sum(costs[i] for i in free)
+    kept = sum(costs) - flex
+    if not flex or kept + flex <= allowed:
+        return list(grants)
+    f = min(1.0, max(floor, (allowed - kept) / flex))
+    out = list(grants)
+    for i in free:
+        out[i] = min(grants[i], fits(claims[i].staged, f * costs[i], fixed))
+    return out
 
 
 def batches(pieces: Sequence[tuple[int, int]], spare: int, pad_ratio: float) -> list[list[int]]:
