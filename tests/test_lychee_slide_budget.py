@@ -25,7 +25,7 @@ from lychee_rtc.engine.lychee.runner import SHARE_DEADLINE_S, LycheeRunner, Runn
 from lychee_rtc.engine.lychee.scoring import score_teacher_forced
 from lychee_rtc.engine.lychee.slide import SlideJob
 from lychee_rtc.engine.lychee.slide_budget import (
-    HOLD_FLOOR,
+    HOLD_HORIZON,
     Claim,
     batches,
     cost,
@@ -157,7 +157,7 @@ def test_share_goes_to_the_nearest_slide_point_first_within_the_budget():
                 assert all(g[j] == 0 for j, d in enumerate(cs) if (d.steps_left, d.slot) > (c.steps_left, c.slot))
 
 
-def test_a_dear_window_cuts_only_far_slides_evenly_and_never_below_the_floor():
+def test_a_dear_window_cuts_only_far_slides_evenly_and_never_more_than_the_horizon_can_take():
     fixed = 100
     far = [Claim(i, steps_left=40, known=300, staged=50, total=400) for i in range(2)]  # aligned, far
     near = Claim(2, steps_left=2 + 8, known=40, staged=300, total=400)  # within the horizon (8 + reserve 2)
@@ -165,21 +165,25 @@ def test_a_dear_window_cuts_only_far_slides_evenly_and_never_below_the_floor():
     grants = share(claims, 1e9, least=10, fixed=fixed)
     assert grants[0] == grants[1] > 0 and grants[2] > 0
     costs = [cost(c.staged, c.staged + g, fixed) for c, g in zip(claims, grants)]
-    assert held_back(claims, grants, fixed, sum(costs)) == grants  # it fits: nothing cut
+    big = 3 * cost(0, 400, fixed) / HOLD_HORIZON  # a budget whose horizon could take whole slides
+    assert held_back(claims, grants, fixed, sum(costs), big) == grants  # it fits: nothing cut
     half = costs[2] + 0.5 * (costs[0] + costs[1])
-    cut = held_back(claims, grants, fixed, half)
+    cut = held_back(claims, grants, fixed, half, big)
     assert cut[2] == grants[2]  # near its slide point: whole
     assert cut[0] == cut[1] == fits(50, 0.5 * costs[0], fixed) < grants[0]  # the same fraction each
-    floor = held_back(claims, grants, fixed, 0.0)  # the window alone overran
-    assert floor[2] == grants[2] and floor[0] == floor[1] == fits(50, HOLD_FLOOR * costs[0], fixed) > 0
-    assert held_back(claims, grants, fixed, 0.0, floor=0.0)[:2] == [0, 0]
+    assert held_back(claims, grants, fixed, 0.0, big)[:2] == [0, 0]  # the window alone overran
+    # a small budget: the far slides keep what the horizon could not stage after them
+    small = 3 * (cost(50, 400, fixed) - 0.5 * costs[0]) / HOLD_HORIZON
+    least = held_back(claims, grants, fixed, 0.0, small)
+    assert 0 < least[0] == least[1] < grants[0]
+    left = cost(50 + least[0], 400, fixed)
+    assert left <= HOLD_HORIZON * small / 3 < cost(50 + least[0] - 1, 400, fixed)
 
 
 def test_slides_stay_on_time_and_exact_when_every_window_is_dear(ckpt):
     """Every window reported as taking all of the step's time (a slow or busy CPU): each step's
-    share is cut to the floor for slides far from their slide point, what is held back is staged in
-    the steps before it, and still every slide takes effect at its point with the caches of a
-    fresh forward."""
+    share is cut for slides far from their slide point as far as the steps before it can take
+    back, and still every slide takes effect at its point with the caches of a fresh forward."""
     model, ref = load_model(ckpt, dtype="fp32", progress=False), load_model(ckpt, dtype="fp32", progress=False)
     tok = Tokenizer.from_dir(ckpt)
     # slides 20 steps apart, so that a slide spends steps beyond the horizon where it may be cut

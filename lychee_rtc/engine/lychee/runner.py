@@ -365,7 +365,7 @@ class LycheeRunner:
             limit = policy.budget_cost
             if spent_s is not None and self.per_cost_s:
                 allowed = max(0.0, SHARE_DEADLINE_S - spent_s) / self.per_cost_s
-                cut = held_back(claims, grants, policy.fixed, allowed)
+                cut = held_back(claims, grants, policy.fixed, allowed, policy.budget_cost)
                 if cut != grants:
                     stats.held += 1
                     grants, limit = cut, min(limit, allowed)

@@ -129,30 +129,35 @@ def share(claims: Sequence[Claim], budget: float, least: int = 0, fixed: int | N
 
 
 # A dear window's share (``held_back``): only slides more than this many steps before their last
-# paced step are cut, so what a cut holds back is spread over at least that many later steps; and
-# each keeps at least this fraction of its grant's cost, so that cuts in a row never pile up into
-# one burst at the end of a slide step.
+# paced step are cut, and only as far as what they would have left still fits that many steps at
+# their part of the budget, so cuts never make a slide late nor pile up into one step dearer than
+# the budget allows.
 HOLD_HORIZON = 8
-HOLD_FLOOR = 0.25
 
 
-def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowed: float,
-              horizon: int = HOLD_HORIZON, floor: float = HOLD_FLOOR, reserve: int = RESERVE_STEPS) -> list[int]:
-    """The grants of a step whose window left only ``allowed`` (in cost) for its share: slides more
+def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowed: float, budget: float,
+              horizon: int = HOLD_HORIZON, reserve: int = RESERVE_STEPS) -> list[int]:
+    """The grants of a step whose window left only ``allowed`` (in cost) for its share. Slides more
     than ``horizon`` steps from their last paced step each keep the same fraction of their grant's
     cost (so slides that were aligned stay aligned, their pieces batched), the largest that fits
-    ``allowed`` beside the others' grants, at least ``floor``; the others keep theirs. What a step
-    holds back stays known and the next steps' pace spreads it over the steps left."""
+    ``allowed`` beside the others' grants; but never less than leaves the rest of the slide within
+    ``horizon`` steps of its part of ``budget`` (the step's budget in cost over the slides in
+    progress). The others keep theirs. What a step holds back stays known and the next steps'
+    pace spreads it over the steps left."""
     costs = [cost(c.staged, c.staged + g, fixed) for c, g in zip(claims, grants)]
     free = [i for i, c in enumerate(claims) if c.steps_left - reserve > horizon and grants[i]]
     flex = sum(costs[i] for i in free)
     kept = sum(costs) - flex
     if not flex or kept + flex <= allowed:
         return list(grants)
-    f = min(1.0, max(floor, (allowed - kept) / flex))
+    f = min(1.0, max(0.0, (allowed - kept) / flex))
+    part = budget / len(claims)
     out = list(grants)
     for i in free:
-        out[i] = min(grants[i], fits(claims[i].staged, f * costs[i], fixed))
+        c = claims[i]
+        owed = cost(c.staged, max(c.total, c.staged), fixed) - horizon * part  # what the horizon cannot take
+        least = 0 if owed <= 0 else fits(c.staged, owed, fixed) + 1
+        out[i] = min(grants[i], max(least, fits(c.staged, f * costs[i], fixed)))
     return out
 
 
