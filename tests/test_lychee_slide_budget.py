@@ -165,19 +165,21 @@ def test_a_dear_window_cuts_only_far_slides_evenly_and_never_more_than_the_horiz
     grants = share(claims, 1e9, least=10, fixed=fixed)
     assert grants[0] == grants[1] > 0 and grants[2] > 0
     costs = [cost(c.staged, c.staged + g, fixed) for c, g in zip(claims, grants)]
-    big = 3 * cost(0, 400, fixed) / HOLD_HORIZON  # a budget whose horizon could take whole slides
+    later = 40 - 2 - 1  # paced steps after this one (reserve 2)
+    big = 3 * cost(0, 400, fixed) / later  # a budget whose later steps could take whole slides
     assert held_back(claims, grants, fixed, sum(costs), big) == grants  # it fits: nothing cut
     half = costs[2] + 0.5 * (costs[0] + costs[1])
     cut = held_back(claims, grants, fixed, half, big)
     assert cut[2] == grants[2]  # near its slide point: whole
     assert cut[0] == cut[1] == fits(50, 0.5 * costs[0], fixed) < grants[0]  # the same fraction each
     assert held_back(claims, grants, fixed, 0.0, big)[:2] == [0, 0]  # the window alone overran
-    # a small budget: the far slides keep what the horizon could not stage after them
-    small = 3 * (cost(50, 400, fixed) - 0.5 * costs[0]) / HOLD_HORIZON
+    # a small budget: the far slides keep what their later steps could not stage at their part of it
+    small = 3 * (cost(50, 400, fixed) - 0.5 * costs[0]) / later
     least = held_back(claims, grants, fixed, 0.0, small)
     assert 0 < least[0] == least[1] < grants[0]
     left = cost(50 + least[0], 400, fixed)
-    assert left <= HOLD_HORIZON * small / 3 < cost(50 + least[0] - 1, 400, fixed)
+    assert left <= later * small / 3 < cost(50 + least[0] - 1, 400, fixed)
+    assert HOLD_HORIZON == 8 and held_back(claims, grants, fixed, 0.0, small, horizon=40)[:2] == grants[:2]
 
 
 def test_slides_stay_on_time_and_exact_when_every_window_is_dear(ckpt):

@@ -129,9 +129,9 @@ def share(claims: Sequence[Claim], budget: float, least: int = 0, fixed: int | N
 
 
 # A dear window's share (``held_back``): only slides more than this many steps before their last
-# paced step are cut, and only as far as what they would have left still fits that many steps at
-# their part of the budget, so cuts never make a slide late nor pile up into one step dearer than
-# the budget allows.
+# paced step are cut (the end of a slide stays as paced), and only as far as what they would have
+# left still fits the paced steps after this one at their part of the budget, so cuts never make a
+# slide late nor a later step dearer than the budget allows.
 HOLD_HORIZON = 8
 
 
@@ -141,8 +141,8 @@ def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowe
     than ``horizon`` steps from their last paced step each keep the same fraction of their grant's
     cost (so slides that were aligned stay aligned, their pieces batched), the largest that fits
     ``allowed`` beside the others' grants; but never less than leaves the rest of the slide within
-    ``horizon`` steps of its part of ``budget`` (the step's budget in cost over the slides in
-    progress). The others keep theirs. What a step holds back stays known and the next steps'
+    its part of ``budget`` (the step's budget in cost over the slides in progress) in each paced
+    step after this one. The others keep theirs. What a step holds back stays known and the next steps'
     pace spreads it over the steps left."""
     costs = [cost(c.staged, c.staged + g, fixed) for c, g in zip(claims, grants)]
     free = [i for i, c in enumerate(claims) if c.steps_left - reserve > horizon and grants[i]]
@@ -155,7 +155,8 @@ def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowe
     out = list(grants)
     for i in free:
         c = claims[i]
-        owed = cost(c.staged, max(c.total, c.staged), fixed) - horizon * part  # what the horizon cannot take
+        later = c.steps_left - reserve - 1  # paced steps after this one
+        owed = cost(c.staged, max(c.total, c.staged), fixed) - later * part  # what they could not take
         least = 0 if owed <= 0 else fits(c.staged, owed, fixed) + 1
         out[i] = min(grants[i], max(least, fits(c.staged, f * costs[i], fixed)))
     return out
