@@ -26,6 +26,7 @@ from lychee_rtc.engine.lychee.scoring import score_teacher_forced
 from lychee_rtc.engine.lychee.slide import SlideJob
 from lychee_rtc.engine.lychee.slide_budget import (
     HOLD_HORIZON,
+    HOLD_SLACK,
     Claim,
     batches,
     cost,
@@ -180,6 +181,10 @@ def test_a_dear_window_cuts_only_far_slides_evenly_and_never_more_than_the_horiz
     left = cost(50 + least[0], 400, fixed)
     assert left <= later * small / 3 < cost(50 + least[0] - 1, 400, fixed)
     assert HOLD_HORIZON == 8 and held_back(claims, grants, fixed, 0.0, small, horizon=40)[:2] == grants[:2]
+    # with the slide's mean cost per step known, later steps may rise only to HOLD_SLACK times it
+    mean = (cost(50, 400, fixed) - 0.5 * costs[0]) / later / HOLD_SLACK
+    paced = [dataclasses.replace(c, mean=mean) for c in claims]
+    assert held_back(paced, grants, fixed, 0.0, big)[:2] == least[:2]  # the budget no longer bounds it
 
 
 def test_slides_stay_on_time_and_exact_when_every_window_is_dear(ckpt):

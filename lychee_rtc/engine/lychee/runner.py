@@ -55,7 +55,7 @@ from torch import Tensor
 from ..base import ContextPolicy, Control, EngineEvent, SessionOptions
 from .audio import encode_windows, mel_filterbank
 from .config import LycheeConfig, SpecialTokens
-from .context import POSITIONS_PER_SECOND, SlidePolicy
+from .context import POSITIONS_PER_SECOND, RESERVE_STEPS, SlidePolicy
 from .decode import CHUNK, DecodeRules, RuleRows, prefill
 from .graphs import (
     BatchRows,
@@ -355,7 +355,7 @@ class LycheeRunner:
                     self.slides[s.index] = SlideJob(plan, prefix)
         active = [(s, self.slides[s.index]) for s in states if s.index in self.slides]
         claims = [Claim(s.index, job.steps_left(len(s.text)), max(0, job.target(len(s.text), s.fed) - job.staged),
-                        job.staged, job.prefix_len + job.plan.kept) for s, job in active]
+                        job.staged, job.prefix_len + job.plan.kept, self._mean_cost(job)) for s, job in active]
         policy = self.policy
         if policy.fixed is None:
             grants = share(claims, policy.budget, least=policy.rate)
@@ -398,6 +398,14 @@ class LycheeRunner:
                 stats.late += late
                 log.debug("slot %d: context slid by %d positions (%d kept)%s", s.index, job.plan.shift, len(s.text),
                           " late" if late else "")
+
+    def _mean_cost(self, job: SlideJob) -> float:
+        """A slide's whole cost over its paced steps (a slide step less the reserve), what a dear
+        window's cut measures later steps against (``slide_budget.held_back``)."""
+        if self.policy.fixed is None:
+            return 0.0
+        steps = max(1, job.plan.shift // CHUNK - RESERVE_STEPS)
+        return cost(0, job.prefix_len + job.plan.kept, self.policy.fixed) / steps
 
     def _by_length(self, states: list[SlotState], idx: list[int]) -> list[list[int]]:
         groups: dict[int, list[int]] = {}

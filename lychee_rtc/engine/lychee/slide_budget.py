@@ -46,6 +46,7 @@ class Claim:
     known: int  # positions whose inputs are known and are not staged yet
     staged: int = 0  # positions of the new context already staged (where the next piece starts)
     total: int = 0  # positions of the whole new context (sink + kept)
+    mean: float = 0.0  # the whole slide's cost over its paced steps (0: unknown, the budget bounds cuts)
 
 
 def fixed_cost(hidden: int, kv_dim: int, intermediate: int) -> int:
@@ -130,9 +131,11 @@ def share(claims: Sequence[Claim], budget: float, least: int = 0, fixed: int | N
 
 # A dear window's share (``held_back``): only slides more than this many steps before their last
 # paced step are cut (the end of a slide stays as paced), and only as far as what they would have
-# left still fits the paced steps after this one at their part of the budget, so cuts never make a
-# slide late nor a later step dearer than the budget allows.
+# left still fits the paced steps after this one at this much over the slide's mean cost per step,
+# so cuts never make a slide late, and however many come in a row, no later step's share rises
+# above that (the budget's own margin is 1.25).
 HOLD_HORIZON = 8
+HOLD_SLACK = 1.2
 
 
 def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowed: float, budget: float,
@@ -141,8 +144,9 @@ def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowe
     than ``horizon`` steps from their last paced step each keep the same fraction of their grant's
     cost (so slides that were aligned stay aligned, their pieces batched), the largest that fits
     ``allowed`` beside the others' grants; but never less than leaves the rest of the slide within
-    its part of ``budget`` (the step's budget in cost over the slides in progress) in each paced
-    step after this one. The others keep theirs. What a step holds back stays known and the next steps'
+    ``HOLD_SLACK`` times its mean cost per paced step (or, unknown, its part of ``budget``: the
+    step's budget in cost over the slides in progress) in each paced step after this one. The
+    others keep theirs. What a step holds back stays known and the next steps'
     pace spreads it over the steps left."""
     costs = [cost(c.staged, c.staged + g, fixed) for c, g in zip(claims, grants)]
     free = [i for i, c in enumerate(claims) if c.steps_left - reserve > horizon and grants[i]]
@@ -156,7 +160,8 @@ def held_back(claims: Sequence[Claim], grants: Sequence[int], fixed: int, allowe
     for i in free:
         c = claims[i]
         later = c.steps_left - reserve - 1  # paced steps after this one
-        owed = cost(c.staged, max(c.total, c.staged), fixed) - later * part  # what they could not take
+        per = min(part, HOLD_SLACK * c.mean) if c.mean > 0 else part
+        owed = cost(c.staged, max(c.total, c.staged), fixed) - later * per  # what they could not take
         least = 0 if owed <= 0 else fits(c.staged, owed, fixed) + 1
         out[i] = min(grants[i], max(least, fits(c.staged, f * costs[i], fixed)))
     return out
