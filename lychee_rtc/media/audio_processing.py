@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from lychee_rtc.config import AudioProcessing
+from lychee_rtc.media.echo_estimate import FrameEstimate, LinearEchoEstimate, caller_onset_in_evidence
 from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.session.processing import ProcessingUnavailable
@@ -69,6 +70,7 @@ REFERENCE_AUDIBLE = 1e-3
 SETTLE_FRAMES = 70
 DOUBLE_TALK_GAIN = 10 ** (-10 / 10)  # within 10 dB of its input through AEC3 ...
 DOUBLE_TALK_FRAMES = 3  # ... three frames running: the caller talks
+EVIDENCE_FRAMES = 10**9
 DOUBLE_TALK_FLOOR = 1e-6  # an input below -60 dBFS is no one talking
 DOUBLE_TALK_OVER_NOISE = 30.0  # ... nor one less than 15 dB over the line's noise
 DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last second
@@ -133,14 +135,18 @@ class AudioProcessingStage:
         # With the echo canceller: the other stages without it, and whether the line has echo.
         self._plain: Any = None
         self._plain_delay = np.zeros(0, np.float32)
+        self._clear_delay = np.zeros(0, np.float32)  # ... and the line less the linear echo estimate
         self._presence: EchoPresence | None = None
+        self._estimate: LinearEchoEstimate | None = None  # our own linear echo estimate (the caller under it)
+        self._evidence = 0  # frames running in which the estimate showed the caller at full voice
         self._cancelling = False  # the engine hears the canceller's output
         self._first_sound: int | None = None  # the frame in which the agent was first heard
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
-        # The last frames handed on: the line without the canceller and AEC3's output level (onset).
-        self._recent: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=ONSET_LOOKBACK_FRAMES)
+        # The last frames handed on: the line without the canceller, AEC3's output level and whether the
+        # linear estimate showed the caller (None: not trusted yet), for where the caller began.
+        self._recent: deque[tuple[np.ndarray, np.ndarray, float, bool | None]] = deque(maxlen=ONSET_LOOKBACK_FRAMES)
         self._revision = np.zeros(0, np.float32)  # replaces the end of what was handed on before
         self._pending_onset: np.ndarray | None = None  # ... as found in the frame just processed
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
@@ -166,8 +172,8 @@ class AudioProcessingStage:
         held = self._flush_held()
         if settings == self.settings and (self._apm is not None) == settings.active:
             return held
-        self._plain, self._presence, self._cancelling = None, None, False
-        self._first_sound, self._leaking, self._talk_left = None, 0, 0
+        self._plain, self._presence, self._estimate, self._cancelling = None, None, None, False
+        self._first_sound, self._leaking, self._talk_left, self._evidence = None, 0, 0, 0
         self._levels.clear()
         self._recent.clear()
         self._revision, self._pending_onset = np.zeros(0, np.float32), None
@@ -179,7 +185,9 @@ class AudioProcessingStage:
                 plain = settings.model_copy(update={"echo_cancellation": False})
                 self._plain = _module(module, plain) if plain.active else None
                 self._plain_delay = np.zeros(self.rate * CANCELLER_LAG_MS // 1000, np.float32)
+                self._clear_delay = self._plain_delay.copy()
                 self._presence = EchoPresence(self.rate)
+                self._estimate = LinearEchoEstimate(self.rate, self.frame)
         else:
             self._apm = None  # the native state goes with its handle
         self.settings = settings
@@ -205,7 +213,7 @@ class AudioProcessingStage:
         return held, self._process_frames(np.pad(np.asarray(fill, np.float32), (0, -n % self.frame)))[:n]
 
     def close(self) -> None:
-        self._apm = self._plain = self._presence = None
+        self._apm = self._plain = self._presence = self._estimate = None
         self._reference = np.zeros(0, np.float32)
         if self._resampler is not None:
             self._resampler.close()
@@ -305,46 +313,67 @@ class AudioProcessingStage:
         self._apm.set_stream_delay_ms(0)
         cancelled = self._run(self._apm, samples)
         plain = self._run(self._plain, samples) if self._plain is not None else np.asarray(samples, np.float32)
-        delayed = np.concatenate([self._plain_delay, plain])
-        plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
         assert self._presence is not None
         found = self._presence.update(reference, samples)
+        # The estimate learns the echo as the plain path hands it on (its high-pass filter is linear too).
+        estimate = self._linear_estimate(reference, plain)
+        # Where the caller talks over the echo, the engine hears the line less the linear estimate where
+        # that is trusted (the caller whole, the echo 15-20 dB down), else the line as it is.
+        clear = estimate.residual if estimate is not None and estimate.converged else plain
+        delayed = np.concatenate([self._plain_delay, plain])
+        plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
+        delayed = np.concatenate([self._clear_delay, clear])
+        clear, self._clear_delay = delayed[:self.frame], delayed[self.frame:]
         if self._first_sound is None and float(np.max(np.abs(reference))) > REFERENCE_AUDIBLE:
             self._first_sound = self.counters.frames
         # Until the echo could have been found (its longest delay and the search's own time after the
         # agent's first sound), the line is not known: the canceller's output, so that an echo the
         # search has not found yet does not reach the engine whole. Then only where it was found.
         settling = self._first_sound is not None and self.counters.frames - self._first_sound < SETTLE_FRAMES
-        talking = (found or settling) and self._caller_over_echo(plain, cancelled)
+        talking = (found or settling) and self._caller_over_echo(plain, cancelled, estimate)
         echo = (found or settling) and not talking
         was, self._cancelling = self._cancelling, echo
         if echo:
             self.counters.cancelled_frames += 1
         if was == echo:
-            out = cancelled if echo else plain
+            out = cancelled if echo else (clear if talking else plain)
         elif talking and self._recent:
-            out = plain  # the switch goes back to where the caller began
+            out = clear  # the switch goes back to where the caller began
             self._pending_onset = self._from_onset()
         else:
             ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
-            out = (cancelled * ramp + plain * (1 - ramp)) if echo else (plain * ramp + cancelled * (1 - ramp))
-        self._recent.append((plain, out, float(np.mean(np.square(cancelled)))))
+            line = clear if talking else plain
+            out = (cancelled * ramp + line * (1 - ramp)) if echo else (line * ramp + cancelled * (1 - ramp))
+        evidence = estimate.caller if estimate is not None and estimate.converged else None
+        self._recent.append((clear, out, float(np.mean(np.square(cancelled))), evidence))
         return out
+
+    def _linear_estimate(self, reference: np.ndarray, samples: np.ndarray) -> FrameEstimate | None:
+        """Our own linear echo estimate, placed at the lag where the search found the echo."""
+        assert self._presence is not None and self._estimate is not None
+        lag_ms = self._presence.counters.lag_ms
+        if self._presence.echo and lag_ms is not None:
+            self._estimate.place(lag_ms / 1000.0)
+        return self._estimate.process(reference, samples)
 
     def _from_onset(self) -> np.ndarray:
         """Double talk just confirmed: the frames handed on since the caller began (see
         ``caller_onset``) as the line was, crossfaded in over the first of them."""
         recent = list(self._recent)
-        first = caller_onset([level for _, _, level in recent])
+        evidence = [e for _, _, _, e in recent]
+        if evidence and evidence[-1]:  # the linear estimate shows the caller: it sees them under the echo
+            first = caller_onset_in_evidence([bool(e) for e in evidence])
+        else:  # not trusted yet: where AEC3's output rose
+            first = caller_onset([level for _, _, level, _ in recent])
         if first == len(recent):
             return np.zeros(0, np.float32)
         ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
-        plain, handed, _ = recent[first]
-        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
+        plain, handed, _, _ = recent[first]
+        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _, _ in recent[first + 1:]]
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
-    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray) -> bool:
+    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray, estimate: FrameEstimate | None) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
         comes through it within 10 dB of its input, three frames running, is the caller.
         The engine then hears the line as it is (echo and all, as without processing) rather than
@@ -361,7 +390,9 @@ class AudioProcessingStage:
                               DOUBLE_TALK_UNDER_PEAK * max(recent))
         through = loud and float(np.mean(np.square(cancelled))) > DOUBLE_TALK_GAIN * level_in
         self._leaking = self._leaking + 1 if through else 0
-        if self._leaking >= DOUBLE_TALK_FRAMES:
+        # Or the linear estimate shows the caller at full voice (AEC3 may take a caller down for long).
+        self._evidence = self._evidence + 1 if loud and estimate is not None and estimate.caller else 0
+        if self._leaking >= DOUBLE_TALK_FRAMES or self._evidence >= EVIDENCE_FRAMES:
             self._talk_left = DOUBLE_TALK_HOLD_FRAMES
             self.counters.double_talk_frames += 1
         elif self._talk_left:
