@@ -144,9 +144,11 @@ class AudioProcessingStage:
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
-        # The last frames handed on: the line without the canceller, AEC3's output level and whether the
-        # linear estimate showed the caller (None: not trusted yet), for where the caller began.
-        self._recent: deque[tuple[np.ndarray, np.ndarray, float, bool | None]] = deque(maxlen=ONSET_LOOKBACK_FRAMES)
+        # The last frames handed on: the line without the canceller (less the linear estimate where it is
+        # trusted), AEC3's output level, and whether the linear estimate showed the caller and its
+        # residual's level (None: not trusted yet), for where the caller began.
+        self._recent: deque[tuple[np.ndarray, np.ndarray, float, tuple[bool, float] | None]] = deque(
+            maxlen=ONSET_LOOKBACK_FRAMES)
         self._revision = np.zeros(0, np.float32)  # replaces the end of what was handed on before
         self._pending_onset: np.ndarray | None = None  # ... as found in the frame just processed
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
@@ -344,7 +346,7 @@ class AudioProcessingStage:
             ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
             line = clear if talking else plain
             out = (cancelled * ramp + line * (1 - ramp)) if echo else (line * ramp + cancelled * (1 - ramp))
-        evidence = estimate.caller if estimate is not None and estimate.converged else None
+        evidence = (estimate.caller, estimate.residual_power) if estimate is not None and estimate.converged else None
         self._recent.append((clear, out, float(np.mean(np.square(cancelled))), evidence))
         return out
 
@@ -361,8 +363,9 @@ class AudioProcessingStage:
         ``caller_onset``) as the line was, crossfaded in over the first of them."""
         recent = list(self._recent)
         evidence = [e for _, _, _, e in recent]
-        if evidence and evidence[-1]:  # the linear estimate shows the caller: it sees them under the echo
-            first = caller_onset_in_evidence([bool(e) for e in evidence])
+        if evidence and evidence[-1] is not None and evidence[-1][0]:  # the linear estimate sees them under the echo
+            first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
+                                             [0.0 if e is None else e[1] for e in evidence])
         else:  # not trusted yet: where AEC3's output rose
             first = caller_onset([level for _, _, level, _ in recent])
         if first == len(recent):

@@ -30,14 +30,16 @@ import numpy as np
 
 SPAN_S = 0.1  # the filter's reach behind the echo's lag: the room's early reflections and more
 LEAD_S = 0.01  # ... and ahead of it: the lag is found at 8 kHz, a reflection may come first
-STEP = 1.0  # normalised step per bin
+STEP = 0.5  # normalised step per bin, once trusted
+LEARNING_STEP = 1.0  # ... until then (placed afresh, a new path): faster, noisier
 REGULARISATION = 0.2  # of the mean far-end power per bin, added to each bin's
 MISADJUSTMENT_SMOOTHING = 0.9  # of the residual over the estimate, per frame without the caller
 NOISE_RISE = 1.01  # the noise floor's rise per frame, 4 dB a second (it falls at once to a lower residual)
 REFERENCE_FLOOR = 1e-7  # far end mean square below which the agent is silent (-70 dBFS)
-CALLER_OVER_EXPECTED = 4.0  # residual over what the echo alone leaves: 6 dB is the caller
+CALLER_OVER_EXPECTED = 8.0  # residual over what the echo alone leaves: 9 dB is the caller
 CONVERGED = 0.2  # misadjustment under which the estimate is trusted (7 dB of echo taken out)
 RETRAIN_FRAMES = 50  # evidence this long with the filter frozen: the echo path changed
+ONSET_UNDER_PEAK = 0.01  # 20 dB: see caller_onset_in_evidence
 LAG_MOVE_S = 0.004  # the lag moving this much re-places the filter (and it learns afresh)
 
 
@@ -54,6 +56,7 @@ class EstimateCounters:
 class FrameEstimate:
     residual: np.ndarray  # mic minus the echo estimate
     residual_power: float  # mean square of it
+    line_power: float  # ... of the microphone
     expected_power: float  # ... of what the echo alone would leave (misadjustment, noise)
     converged: bool  # the estimate takes out enough of the echo to be trusted
 
@@ -83,6 +86,7 @@ class LinearEchoEstimate:
         self._noise: float | None = None
         self._evidence_run = 0
         self._retraining = False
+        self._trusted = False  # converged once since placed
 
     @property
     def delay_s(self) -> float | None:
@@ -122,6 +126,7 @@ class LinearEchoEstimate:
         noise = self._noise if self._noise is not None else 0.0
         expected = self._misadjustment * estimate_power + noise
         converged = self._misadjustment < CONVERGED and estimate_power > noise
+        self._trusted = self._trusted or converged
         caller = converged and residual_power > CALLER_OVER_EXPECTED * expected
         if caller and not self._retraining:
             self._evidence_run += 1
@@ -142,7 +147,8 @@ class LinearEchoEstimate:
             # Bins the far end barely reaches (a narrowband leg's upper half) would take huge steps.
             norm = power + REGULARISATION * float(np.mean(power)) + 1e-9
             error = np.fft.rfft(np.concatenate([np.zeros(n), e]))
-            gradient = np.conj(self._spectra) * (STEP * error / norm)
+            step = STEP if self._trusted and not self._retraining else LEARNING_STEP
+            gradient = np.conj(self._spectra) * (step * error / norm)
             g = np.fft.irfft(gradient, 2 * n, axis=1)
             g[:, n:] = 0.0  # the constraint: a linear, not circular, convolution is learnt
             self._weights += np.fft.rfft(g, axis=1)
@@ -151,14 +157,21 @@ class LinearEchoEstimate:
             self._left = a * self._left + (1 - a) * max(residual_power - noise, 0.0)
             self._taken = a * self._taken + (1 - a) * estimate_power
             self._misadjustment = min(self._left / max(self._taken, 1e-12), 1.0)
-        return FrameEstimate(e.astype(np.float32), residual_power, expected,
+        return FrameEstimate(e.astype(np.float32), residual_power, float(np.mean(d * d)), expected,
                              converged and not self._retraining)
 
 
-def caller_onset_in_evidence(evidence: list[bool]) -> int:
-    """Where the caller began, given per frame (oldest first) whether the linear estimate showed them:
-    the first of the frames running up to the last that did; ``len(evidence)`` where the last did not."""
+def caller_onset_in_evidence(evidence: list[bool], residual: list[float]) -> int:
+    """Where the caller began, given per frame (oldest first) whether the linear estimate showed them and
+    its residual's level (mean square): the first of the frames running up to the last that did, less
+    leading ones ``ONSET_UNDER_PEAK`` under the loudest of the run (a caller's first syllable is
+    seldom 20 dB under their voice; what the filter leaves of an echo's tail it cannot reach can stand
+    over the little it expects where the agent pauses); ``len(evidence)`` where the last did not."""
     first = len(evidence)
     while first > 0 and evidence[first - 1]:
         first -= 1
+    if first < len(evidence):
+        floor = ONSET_UNDER_PEAK * max(residual[first:])
+        while residual[first] < floor:
+            first += 1
     return first
