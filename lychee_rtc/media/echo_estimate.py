@@ -112,14 +112,14 @@ class LinearEchoEstimate:
         end = len(self._history) - self._delay
         block = self._history[end - 2 * n:end]
         spectrum = np.fft.rfft(block)
-        self._spectra = np.roll(self._spectra, 1, axis=0)
+        self._spectra[1:] = self._spectra[:-1]  # in place: no array per frame
         self._spectra[0] = spectrum
         estimate = np.fft.irfft(np.sum(self._weights * self._spectra, axis=0), 2 * n)[n:]
         d = np.asarray(mic, np.float64)
         e = d - estimate
-        residual_power = float(np.mean(e * e))
-        estimate_power = float(np.mean(estimate * estimate))
-        far_power = float(np.mean(block[n:] ** 2))
+        residual_power = float(np.dot(e, e)) / n
+        estimate_power = float(np.dot(estimate, estimate)) / n
+        far_power = float(np.dot(block[n:], block[n:])) / n
 
         # The line's noise: the least residual, rising slowly (the agent's pauses are seldom silent).
         self._noise = residual_power if self._noise is None else min(self._noise * NOISE_RISE, residual_power)
@@ -157,7 +157,7 @@ class LinearEchoEstimate:
             self._left = a * self._left + (1 - a) * max(residual_power - noise, 0.0)
             self._taken = a * self._taken + (1 - a) * estimate_power
             self._misadjustment = min(self._left / max(self._taken, 1e-12), 1.0)
-        return FrameEstimate(e.astype(np.float32), residual_power, float(np.mean(d * d)), expected,
+        return FrameEstimate(e.astype(np.float32), residual_power, float(np.dot(d, d)) / n, expected,
                              converged and not self._retraining)
 
 
