@@ -70,7 +70,6 @@ REFERENCE_AUDIBLE = 1e-3
 SETTLE_FRAMES = 70
 DOUBLE_TALK_GAIN = 10 ** (-10 / 10)  # within 10 dB of its input through AEC3 ...
 DOUBLE_TALK_FRAMES = 3  # ... three frames running: the caller talks
-EVIDENCE_FRAMES = 10**9
 DOUBLE_TALK_FLOOR = 1e-6  # an input below -60 dBFS is no one talking
 DOUBLE_TALK_OVER_NOISE = 30.0  # ... nor one less than 15 dB over the line's noise
 DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last second
@@ -138,7 +137,6 @@ class AudioProcessingStage:
         self._clear_delay = np.zeros(0, np.float32)  # ... and the line less the linear echo estimate
         self._presence: EchoPresence | None = None
         self._estimate: LinearEchoEstimate | None = None  # our own linear echo estimate (the caller under it)
-        self._evidence = 0  # frames running in which the estimate showed the caller at full voice
         self._cancelling = False  # the engine hears the canceller's output
         self._first_sound: int | None = None  # the frame in which the agent was first heard
         self._leaking = 0  # frames running that came through the canceller nearly whole
@@ -175,7 +173,7 @@ class AudioProcessingStage:
         if settings == self.settings and (self._apm is not None) == settings.active:
             return held
         self._plain, self._presence, self._estimate, self._cancelling = None, None, None, False
-        self._first_sound, self._leaking, self._talk_left, self._evidence = None, 0, 0, 0
+        self._first_sound, self._leaking, self._talk_left = None, 0, 0
         self._levels.clear()
         self._recent.clear()
         self._revision, self._pending_onset = np.zeros(0, np.float32), None
@@ -332,7 +330,7 @@ class AudioProcessingStage:
         # agent's first sound), the line is not known: the canceller's output, so that an echo the
         # search has not found yet does not reach the engine whole. Then only where it was found.
         settling = self._first_sound is not None and self.counters.frames - self._first_sound < SETTLE_FRAMES
-        talking = (found or settling) and self._caller_over_echo(plain, cancelled, estimate)
+        talking = (found or settling) and self._caller_over_echo(plain, cancelled)
         echo = (found or settling) and not talking
         was, self._cancelling = self._cancelling, echo
         if echo:
@@ -376,7 +374,7 @@ class AudioProcessingStage:
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
-    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray, estimate: FrameEstimate | None) -> bool:
+    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
         comes through it within 10 dB of its input, three frames running, is the caller.
         The engine then hears the line as it is (echo and all, as without processing) rather than
@@ -393,9 +391,7 @@ class AudioProcessingStage:
                               DOUBLE_TALK_UNDER_PEAK * max(recent))
         through = loud and float(np.mean(np.square(cancelled))) > DOUBLE_TALK_GAIN * level_in
         self._leaking = self._leaking + 1 if through else 0
-        # Or the linear estimate shows the caller at full voice (AEC3 may take a caller down for long).
-        self._evidence = self._evidence + 1 if loud and estimate is not None and estimate.caller else 0
-        if self._leaking >= DOUBLE_TALK_FRAMES or self._evidence >= EVIDENCE_FRAMES:
+        if self._leaking >= DOUBLE_TALK_FRAMES:
             self._talk_left = DOUBLE_TALK_HOLD_FRAMES
             self.counters.double_talk_frames += 1
         elif self._talk_left:
