@@ -315,11 +315,14 @@ class AudioProcessingStage:
         plain = self._run(self._plain, samples) if self._plain is not None else np.asarray(samples, np.float32)
         assert self._presence is not None
         found = self._presence.update(reference, samples)
-        # The estimate learns the echo as the plain path hands it on (its high-pass filter is linear too).
-        estimate = self._linear_estimate(reference, plain)
+        # The estimate learns the echo as the plain path hands it on where that path is linear (a high-pass
+        # filter); noise suppression and gain control are not, so there it learns from the microphone and
+        # serves only to find where the caller began.
+        linear = not (self.settings.noise_suppression or self.settings.auto_gain_control)
+        estimate = self._linear_estimate(reference, plain if linear else samples)
         # Where the caller talks over the echo, the engine hears the line less the linear estimate where
-        # that is trusted (the caller whole, the echo 15-20 dB down), else the line as it is.
-        clear = estimate.residual if estimate is not None and estimate.converged else plain
+        # that is trusted (the caller whole, the echo 10-20 dB down), else the line as it is.
+        clear = estimate.residual if linear and estimate is not None and estimate.converged else plain
         delayed = np.concatenate([self._plain_delay, plain])
         plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
         delayed = np.concatenate([self._clear_delay, clear])
