@@ -53,6 +53,8 @@ class AlignmentReport:
     # channel minus when it was heard. The error is the second less the first.
     said_offset_ms_p50: float | None = None
     heard_offset_ms_p50: float | None = None
+    # What the recording's stamps took out (its meta's ``alignment``: codec delay, transit estimate).
+    compensation: dict = field(default_factory=dict)
     errors_ms: list[float] = field(default_factory=list)
 
 
@@ -200,21 +202,31 @@ async def _only_session(url: str) -> str:
 
 
 async def measure(transport: str, count: int, interval_s: float, directory: Path, lead_ms: float | None = None,
-                  jitter_buffer: str = "lowlatency") -> AlignmentReport:
+                  jitter_buffer: str = "lowlatency", delay_ms: float = 0.0) -> AlignmentReport:
     env = {"LYCHEE_RTC_RECORDING__ENABLED": "true", "LYCHEE_RTC_RECORDING__DIRECTORY": str(directory),
            "LYCHEE_RTC_TELEPHONY__TWILIO__AUTH_TOKEN": TWILIO_TOKEN, "PYTHONPATH": os.pathsep.join(sys.path)}
     if lead_ms is not None:
         env["LYCHEE_RTC_RTC__PASSTHROUGH_LEAD_MS"] = str(lead_ms)
     async with spawned_server("configs/loopback.yaml", env) as (url, _):
-        if transport == "webrtc":
-            session_id, mouths, ears = await webrtc_call(url, count, interval_s, jitter_buffer)
+        if transport == "webrtc" and delay_ms:
+            from lychee_rtc.bench.impairment import ImpairedPath, PathSettings
+
+            # Media and RTCP both go through the relay, each way delayed alike. It stays up until the
+            # recording is complete: the caller's hang-up (DTLS close) goes through it too.
+            async with ImpairedPath(url, PathSettings.symmetric(delay_up_ms=delay_ms, delay_down_ms=delay_ms)) as path:
+                session_id, mouths, ears = await webrtc_call(path.url, count, interval_s, jitter_buffer)
+                await wait_complete(directory / session_id / "meta.json")
         else:
-            session_id, mouths, ears = await carrier_call(url, count, interval_s)
-        await wait_complete(directory / session_id / "meta.json")
+            if transport == "webrtc":
+                session_id, mouths, ears = await webrtc_call(url, count, interval_s, jitter_buffer)
+            else:
+                session_id, mouths, ears = await carrier_call(url, count, interval_s)
+            await wait_complete(directory / session_id / "meta.json")
     audio = read_recording(directory / session_id / "audio.ogg")
     said = placed(heard_onsets(audio[:, 0], REC_RATE, count), mouths, interval_s)
     heard = placed(heard_onsets(audio[:, 1], REC_RATE, count), ears, interval_s)
-    t0 = json.loads((directory / session_id / "meta.json").read_text())["started_at"] - (time.time() - time.monotonic())
+    meta = json.loads((directory / session_id / "meta.json").read_text())
+    t0 = meta["started_at"] - (time.time() - time.monotonic())
     errors, m2e, said_off, heard_off = [], [], [], []
     for k in range(count):
         c, a = said[k], heard[k]
@@ -229,7 +241,8 @@ async def measure(transport: str, count: int, interval_s: float, directory: Path
                            round(float(np.max(np.abs(errors))), 2) if errors else None,
                            round(float(np.median(m2e)), 1) if m2e else None,
                            round(float(np.median(said_off)), 2) if said_off else None,
-                           round(float(np.median(heard_off)), 2) if heard_off else None, [round(e, 2) for e in errors])
+                           round(float(np.median(heard_off)), 2) if heard_off else None, meta.get("alignment", {}),
+                           [round(e, 2) for e in errors])
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -237,13 +250,13 @@ async def _main(args: argparse.Namespace) -> int:
     for transport in args.transport.split(","):
         with tempfile.TemporaryDirectory(prefix="lychee-rec-align-") as tmp:
             report = await measure(transport, args.probes, args.interval, Path(tmp), args.lead_ms,
-                                   args.client_jitter_buffer)
+                                   args.client_jitter_buffer, args.delay_ms)
         reports.append(report)
         print(f"{transport}: {report.found}/{report.probes} chirps; alignment error p50 {report.error_ms_p50} ms "
               f"(p10 {report.error_ms_p10}, p90 {report.error_ms_p90}, max |e| {report.error_ms_max_abs}); "
               f"mouth-to-ear p50 {report.mouth_to_ear_ms_p50} ms; caller channel {report.said_offset_ms_p50:+} ms "
-              f"from when it was said, agent channel {report.heard_offset_ms_p50:+} ms from when it was heard",
-              flush=True)
+              f"from when it was said, agent channel {report.heard_offset_ms_p50:+} ms from when it was heard; "
+              f"compensation {json.dumps(report.compensation)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in reports], indent=2))
     return 0 if all(r.found for r in reports) else 1
@@ -260,5 +273,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client-jitter-buffer", choices=["lowlatency", "aiortc"], default="lowlatency",
                    help="the WebRTC caller's receive path: ours (default, near the wire) or aiortc's stock buffer, "
                         "whose own delay no server can see")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="WebRTC: put the call through a UDP relay that delays every packet this much each way "
+                        "(a longer path the recording must take out by RTCP's round trip)")
     p.add_argument("--json", help="also write the reports as JSON here")
     p.set_defaults(func=lambda args: asyncio.run(_main(args)))

@@ -78,6 +78,7 @@ class CallRecording:
         if self.recorder is not None and isinstance(sink, EpochSink):
             sink.sent_tap = self.recorder
             self.recorder.codec_delay_s = sink.codec_delay_s
+            self.recorder.transit = sink.transit
 
     def close(self, reason: str) -> None:
         if self.recorder is None:

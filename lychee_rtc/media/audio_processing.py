@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from lychee_rtc.config import AudioProcessing
+from lychee_rtc.media.apm_frames import ApmFrames
 from lychee_rtc.media.echo_estimate import FrameEstimate, LinearEchoEstimate, caller_onset_in_evidence
 from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
@@ -97,10 +98,6 @@ def require_library() -> None:
     _load_module()
 
 
-def _to_int16(x: np.ndarray) -> bytearray:
-    return bytearray((np.clip(x, -1.0, 1.0) * 32767.0).astype(np.int16).tobytes())
-
-
 @dataclass
 class ProcessingCounters:
     frames: int = 0  # 10 ms uplink frames processed
@@ -129,10 +126,9 @@ class AudioProcessingStage:
         self.reference_lead_s = 0.0
         self.reference_continuous = False
         self._referenced = False  # the first far end has come
-        self._apm: Any = None
-        self._frame_cls: Any = None
+        self._apm: ApmFrames | None = None
         # With the echo canceller: the other stages without it, and whether the line has echo.
-        self._plain: Any = None
+        self._plain: ApmFrames | None = None
         self._plain_delay = np.zeros(0, np.float32)
         self._clear_delay = np.zeros(0, np.float32)  # ... and the line less the linear echo estimate
         self._presence: EchoPresence | None = None
@@ -179,11 +175,11 @@ class AudioProcessingStage:
         self._revision, self._pending_onset = np.zeros(0, np.float32), None
         if settings.active:
             frame_cls, module = _load_module()
-            self._apm = _module(module, settings)
-            self._frame_cls = frame_cls
+            self._apm = ApmFrames(_module(module, settings), frame_cls, self.rate, self.frame)
             if settings.echo_cancellation:
                 plain = settings.model_copy(update={"echo_cancellation": False})
-                self._plain = _module(module, plain) if plain.active else None
+                self._plain = ApmFrames(_module(module, plain), frame_cls, self.rate, self.frame) \
+                    if plain.active else None
                 self._plain_delay = np.zeros(self.rate * CANCELLER_LAG_MS // 1000, np.float32)
                 self._clear_delay = self._plain_delay.copy()
                 self._presence = EchoPresence(self.rate)
@@ -294,25 +290,21 @@ class AudioProcessingStage:
         if len(chunk) < self.frame:
             self.counters.reference_underruns += 1
             chunk = np.pad(chunk, (0, self.frame - len(chunk)))
-        self._apm.process_reverse_stream(self._frame_cls(_to_int16(chunk), self.rate, 1, self.frame))
+        assert self._apm is not None
+        self._apm.process_reverse(chunk)
         self.counters.reference_frames += 1
         return chunk
-
-    def _run(self, module: Any, samples: np.ndarray) -> np.ndarray:
-        frame = self._frame_cls(_to_int16(samples), self.rate, 1, self.frame)
-        module.process_stream(frame)
-        return np.frombuffer(frame.data, dtype=np.int16).astype(np.float32) / 32768.0
 
     def _process_frame(self, samples: np.ndarray) -> np.ndarray:
         self.counters.frames += 1
         if not self.settings.echo_cancellation:
-            return self._run(self._apm, samples)
+            return self._apm.process(samples)
         reference = self._feed_reference()
         # AEC3 estimates the echo path's delay itself; what the server knows of it (the transport's
         # lead) is already in where the reference stands.
-        self._apm.set_stream_delay_ms(0)
-        cancelled = self._run(self._apm, samples)
-        plain = self._run(self._plain, samples) if self._plain is not None else np.asarray(samples, np.float32)
+        self._apm.module.set_stream_delay_ms(0)
+        cancelled = self._apm.process(samples)
+        plain = self._plain.process(samples) if self._plain is not None else np.asarray(samples, np.float32)
         assert self._presence is not None
         found = self._presence.update(reference, samples)
         # The estimate learns the echo as the plain path hands it on where that path is linear (a high-pass

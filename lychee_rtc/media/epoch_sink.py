@@ -16,6 +16,7 @@ import numpy as np
 from lychee_rtc.aio import Signal
 from lychee_rtc.media.audio_processing import AudioProcessingStage
 from lychee_rtc.media.playout import EpochPlayout, PlayoutCounters, PlayoutListener
+from lychee_rtc.media.transit import TransitEstimate
 from lychee_rtc.session.sink import CutReport
 
 # A passthrough engine (loopback) keeps at most this much queued beyond the frame being sent (or the
@@ -57,6 +58,9 @@ class EpochSink:
         self._standing: tuple[int, int] | None = None  # (samples sent, least excess) in this window
         # The session's uplink processing: told what left for the caller, as it leaves (its echo reference).
         self.reference: AudioProcessingStage | None = None
+        # The path's one-way time, as the transport measures it (WebRTC: RTCP round trips); a
+        # recording keeps the caller's time by it.
+        self.transit = TransitEstimate()
 
     # How far ahead of the caller's playout this transport sends (a carrier's lead), and whether it
     # sends all the time, silence included (the WebRTC track): the stage's reference queue follows.

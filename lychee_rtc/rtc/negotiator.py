@@ -32,6 +32,7 @@ from lychee_rtc.rtc.jitter import install_jitter_buffer
 from lychee_rtc.rtc.outbound import PacedAudioTrack
 from lychee_rtc.rtc.packet_time import EncoderHints, with_ptime
 from lychee_rtc.rtc.peer import quiet_connects_of_closed_peers, quiet_sends_after_close
+from lychee_rtc.rtc.round_trip import watch_round_trip
 from lychee_rtc.rtc.sctp_guard import SctpGuard
 from lychee_rtc.rtc.sdp import SdpError, ice_ufrag, negotiated_audio_codec, validate_offer
 from lychee_rtc.session.dialect import DialectMap, ResumableDialect
@@ -180,6 +181,7 @@ class RtcNegotiator:
         ptime = self.settings.rtc.receive_ptime_ms
         call.answer_sdp = with_ptime(pc.localDescription.sdp, ptime) if ptime else pc.localDescription.sdp
         call.negotiated_at = time.monotonic()
+        self._watch_round_trip(call, transceiver.sender)
 
     # --- our own offer (a call the server places) ----------------------------------------------------
 
@@ -210,6 +212,7 @@ class RtcNegotiator:
         ptime = self.settings.rtc.receive_ptime_ms
         # What the far end is given (here an offer), with our a=ptime as in an answer.
         call.answer_sdp = with_ptime(call.pc.localDescription.sdp, ptime) if ptime else call.pc.localDescription.sdp
+        self._watch_round_trip(call, transceiver.sender)
         return call
 
     async def complete_offer(self, call: RtcCall, answer_sdp: str) -> None:
@@ -235,6 +238,13 @@ class RtcNegotiator:
     async def discard_offer(self, call: RtcCall) -> None:
         """An offer nobody answered: drop its peer connection (the caller closes the session)."""
         await self._abandon_attempt(call)
+
+    @staticmethod
+    def _watch_round_trip(call: RtcCall, sender: RTCRtpSender) -> None:
+        """RTCP's round trip goes to the track's transit estimate (a recording keeps the caller's
+        time by it) until the path is dropped with the call's other tasks."""
+        call.tasks.append(asyncio.create_task(watch_round_trip(sender, call.track.transit),
+                                              name=f"round-trip-{call.session.id}"))
 
     @staticmethod
     async def _abandon_attempt(call: RtcCall) -> None:

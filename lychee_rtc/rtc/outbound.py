@@ -24,7 +24,7 @@ from lychee_rtc.aio import wait_event
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout
 from lychee_rtc.rtc.packet_time import EncoderHints, PcmFrame
-from lychee_rtc.rtc.send_phase import SendPhase
+from lychee_rtc.rtc.send_phase import ArrivalPhase, SendPhase
 
 FRAME_MS = 20  # the default; rtc.send_frame_ms picks 10 (each frame is one RTP packet)
 # Past this much lateness (an event-loop stall) the missed slots are skipped instead of sent in a burst.
@@ -78,6 +78,7 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         # Live mode: a steady send point after the arrivals (send_phase.py), or as soon as the
         # audio is there within the lead.
         self.send_phase = SendPhase(live_lead_s, frame_ms / 1000) if live and steady else None
+        self.arrival_phase = ArrivalPhase() if live and not steady else None
 
     # --- configuration -------------------------------------------------------------------------
 
@@ -155,16 +156,23 @@ class PacedAudioTrack(MediaStreamTrack, EpochSink):
         send_at = due + self._send_offset()
         give_up = max(due, send_at) + LIVE_GRACE_S
         ready_at: float | None = None
+        arrived = False  # the audio came while this frame waited (not queued before it was asked for)
+        waits = 0
         while True:
             now = self._clock()
             if ready_at is None and self.playout.depth_samples >= n:
-                ready_at = now
+                ready_at, arrived = now, waits > 0
             if (ready_at is not None and now >= send_at) or now >= give_up:
                 break
             self._audio_arrived.clear()
             await wait_event(self._audio_arrived, (send_at if ready_at is not None else give_up) - now)
+            waits += 1
         if ready_at is not None and self.send_phase is not None:
             self.send_phase.observe(ready_at, ready_at - due)
+        if self.arrival_phase is not None:
+            waited = send_at - ready_at if ready_at is not None and arrived else None
+            assert self._t0 is not None
+            self._t0 -= self.arrival_phase.observe(waited)  # the next frames' slots, not this one's
         if self._clock() < due:
             self.counters.early_frames += 1
         self.trim_standing_delay(n)

@@ -49,3 +49,37 @@ class SendPhase:
             return -self.max_lead_s
         late = self._sorted[min(len(self._sorted) - 1, int(self.quantile * len(self._sorted)))]
         return min(max(late + self.margin_s, -self.max_lead_s), self.max_hold_s)
+
+
+# Arrival pacing: a frame whose audio comes more than the lead before its slot waits for the lead,
+# on a timer: a second wake-up of the process for that frame, which on a virtual machine costs more
+# CPU than the frame's own work (docs/benchmarks.md, "Concurrent calls"), and a few milliseconds of
+# delay. A call's packets keep the phase they arrive at, so a call that starts in that part of the
+# slot waited on every frame. ``ArrivalPhase`` moves its send clock earlier, by the least wait of a
+# run of frames that all waited: from then on they leave as they arrive.
+REPHASE_FRAMES = 10
+REPHASE_MARGIN_S = 0.001  # the arrivals' own spread: past the send point, not just at it
+
+
+class ArrivalPhase:
+    """``observe(wait)``: how much earlier the send clock should move (0.0: not at all)."""
+
+    def __init__(self, frames: int = REPHASE_FRAMES, margin_s: float = REPHASE_MARGIN_S) -> None:
+        self.frames = frames
+        self.margin_s = margin_s
+        self._run = 0  # frames in a row that waited for their send point after their audio came
+        self._least = 0.0  # ... the least of those waits
+
+    def observe(self, waited_s: float | None) -> float:
+        """A frame left; ``waited_s``: from its audio's arrival (while the sender waited for it) to its
+        send point, or None where the audio was there before the sender asked (a backlog, a burst)
+        or never came (silence): only a steady early arrival moves the clock, never a queue."""
+        if waited_s is None or waited_s <= 0.0:
+            self._run = 0
+            return 0.0
+        self._least = waited_s if self._run == 0 else min(self._least, waited_s)
+        self._run += 1
+        if self._run < self.frames:
+            return 0.0
+        self._run = 0
+        return self._least + self.margin_s

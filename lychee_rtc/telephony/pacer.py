@@ -19,16 +19,26 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from lychee_rtc.aio import wait_event
 from lychee_rtc.config import TelephonySettings
 from lychee_rtc.media.epoch_sink import EpochSink, SinkCounters
 from lychee_rtc.media.playout import EpochPlayout, PlayoutMark
+from lychee_rtc.media.transit import TransitEstimate
 from lychee_rtc.session.sink import CutReport
 from lychee_rtc.telephony.carriers.base import Dialect
 from lychee_rtc.telephony.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
+# What measured the lag of the carrier's playout (a recording's meta says it), and over how many
+# echoes its median is taken (a mark goes with every 20 ms of audio: about the last second).
+MARK_SOURCE = "carrier_mark_echo"
+MARK_HISTORY = 50
+# An idle carrier (nothing to play) is recorded as this much silence at most; a longer idle is a
+# break the recording sees from the stamps alone.
+RECORDED_IDLE_S = 1.0
 # Names of marks a cut discarded, remembered so their echoes are not taken as playout.
 CUT_MARKS_REMEMBERED = 1024
 
@@ -66,6 +76,7 @@ class CarrierPacer(EpochSink):
         self.outbox = outbox
         self.settings = settings
         super().__init__(EpochPlayout(in_rate, dialect.audio.rate, max_buffer_s), CarrierPacerCounters())
+        self.transit = TransitEstimate(history=MARK_HISTORY)
         self.frame_samples = dialect.audio.rate * dialect.frame_ms() // 1000
         # The carrier holds about the lead before playing it: the echo reference stands that far ahead.
         self.reference_lead_s = settings.lead_ms / 1000.0
@@ -150,6 +161,9 @@ class CarrierPacer(EpochSink):
             key, pending = self._pending.popitem(last=False)
             self._confirm(pending)
             if key == name:
+                # The carrier's playout receipt: how far behind our estimate of its buffer the caller
+                # heard this audio end (the carrier's own buffer and the way there and back).
+                self.transit.observe(max(0.0, self._clock() - pending.due), MARK_SOURCE, out_share=1.0)
                 break
         self._mark_arrived.set()
 
@@ -201,19 +215,26 @@ class CarrierPacer(EpochSink):
             self._short_since = None
             if self.live:  # a passthrough engine: what queued up behind a stall is standing delay
                 self.trim_standing_delay(self.frame_samples)
+            idle_s = now - self._carrier_until  # > 0: the carrier ran dry that long ago
             plays_at = max(self._carrier_until, now)
             self._carrier_until = plays_at + frame_s
-            self._send_frame(plays_at)
+            self._send_frame(plays_at, idle_s)
 
     async def _wait(self, event: asyncio.Event, timeout: float | None) -> None:
         event.clear()
         await wait_event(event, timeout)
 
-    def _send_frame(self, plays_at: float) -> None:
+    def _send_frame(self, plays_at: float, idle_s: float = 0.0) -> None:
         epoch = self.playout.epoch
         pcm, marks, offset = self.playout.read(self.frame_samples)
         if self.sent_tap is not None:  # heard when the carrier plays it, by our estimate of its buffer
-            self.sent_tap.agent_sent(pcm, self.dialect.audio.rate, plays_at)
+            rate = self.dialect.audio.rate
+            if 0.0 < idle_s <= RECORDED_IDLE_S:
+                # The carrier played nothing meanwhile: that silence goes on the agent channel too,
+                # which keeps a stream continuous in samples (a later stamp within its tolerance is
+                # taken as jitter), so without it the audio after a short idle would land early.
+                self.sent_tap.agent_sent(np.zeros(round(idle_s * rate), np.float32), rate, plays_at - idle_s)
+            self.sent_tap.agent_sent(pcm, rate, plays_at)
         self._send(self.dialect.media(self.dialect.audio.encode(pcm)), epoch)
         self.played(pcm)
         self.counters.frames += 1

@@ -131,6 +131,7 @@ class RecordingStore:
                     duration_s=round(state.counters.encoded_samples / 48000, 3),
                     items_dropped=state.counters.items_dropped, late_samples=state.counters.late_samples,
                     overflow_samples=state.counters.overflow_samples)
+        meta["alignment"] = {"transit_changes": 0, **dict(state.alignment)}
         if state.error:
             meta["error"] = state.error
         self._write_meta(meta)

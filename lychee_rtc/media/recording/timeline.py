@@ -111,6 +111,12 @@ class ChannelPlacer:
         out = self._resampler.process(samples) if self._resampler is not None else samples
         self._put(buffer, out)
 
+    def shift(self, by_s: float) -> None:
+        """Stamps move by ``by_s`` from here on (a new compensation): the stream moves with them."""
+        if self._next is not None:
+            self._anchor_s += by_s
+            self._next += round(by_s * RATE)
+
     def cut(self, buffer: MixBuffer, at_s: float) -> None:
         """Nothing placed from ``at_s`` on was heard; the next chunk starts a new segment."""
         self._drop_resampler()

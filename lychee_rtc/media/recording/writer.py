@@ -54,6 +54,8 @@ class WriterState:
     status: str = "recording"  # recording | complete | failed
     error: str | None = None
     counters: WriterCounters = field(default_factory=WriterCounters)
+    # What the stamps took out to keep the caller's time (the recorder's; written to the meta).
+    alignment: dict[str, Any] = field(default_factory=dict)
 
 
 class RecordingWriter(threading.Thread):
@@ -146,6 +148,9 @@ class RecordingWriter(threading.Thread):
         if kind == "audio":
             _, channel, at, samples, rate = item
             self._placers[channel].push(self._buffer, at - self.t0, samples, rate)
+        elif kind == "shift":
+            _, channel, by = item
+            self._placers[channel].shift(by)
         elif kind == "cut":
             _, channel, at = item
             self._placers[channel].cut(self._buffer, at - self.t0)
