@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import lychee_rtc.engine.lychee.decode as decode_mod
+import lychee_rtc.engine.lychee.model as model_mod
 from lychee_rtc.engine.base import (
     AudioChunk,
     BargeIn,
@@ -139,9 +140,18 @@ SCRIPTS = {"endless": {3: 0, 9: 0, 12: 0, 21: 0, 24: 0, 34: 0, 38: 0},
            "plain": {2: 0, 8: 0, 14: 0, 20: 0, 26: 0, 32: 0, 38: 0}}
 
 
+@pytest.mark.parametrize("attention", ["masked", "open prefix"])
 @pytest.mark.parametrize("kind", ["endless", "plain"])
-def test_next_logits_after_each_slide_equal_a_fresh_forward_over_the_kept_tokens(ckpts, monkeypatch, kind):
+def test_next_logits_after_each_slide_equal_a_fresh_forward_over_the_kept_tokens(ckpts, monkeypatch, kind, attention):
+    """``open prefix``: every re-prefill piece attends to the keys before it without a mask (on a
+    CPU the engine does so only where those are thousands, beyond this slot's 256 positions)."""
     ckpt = ckpts[kind]
+    open_calls = []
+    if attention == "open prefix":
+        monkeypatch.setattr(model_mod, "OPEN_PREFIX_MIN_KEYS", 1)
+        monkeypatch.setattr(model_mod, "OPEN_PREFIX_MIN", 0)
+        attend = model_mod.attend_open_prefix
+        monkeypatch.setattr(model_mod, "attend_open_prefix", lambda *a: open_calls.append(1) or attend(*a))
     model = load_model(ckpt, dtype="fp32", progress=False)
     ref = load_model(ckpt, dtype="fp32", progress=False)  # the fresh forward: its own caches, nothing shared
     tok = Tokenizer.from_dir(ckpt)
@@ -190,6 +200,7 @@ def test_next_logits_after_each_slide_equal_a_fresh_forward_over_the_kept_tokens
             after_slide["speaking" if mode0 is Mode.SPEAKING else "listening"] += 1
     assert s.context_slides >= 5 and s.context_resets == 0
     assert s.dropped == s.context_slides * 60
+    assert (len(open_calls) > 0) == (attention == "open prefix")
     assert compared["control"] >= 35, compared
     if kind == "endless":  # slides while speaking and listening, a barge-in at a slide, a cancel mid-slide
         assert after_slide["speaking"] >= 3 and after_slide["listening"] >= 1 and cancelled_mid_slide, after_slide

@@ -259,3 +259,50 @@ def test_truncated_shard_and_broken_index_are_named(ckpt, tmp_path):
     (broken / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not a readable JSON index"):
         load_model(broken, dtype="fp32", progress=False)
+
+
+# -- attention over open keys (a slide's re-prefill) ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_open_prefix_attention_equals_one_masked_attention(dtype, tol):
+    """Rows whose queries start at different positions (a batched re-prefill, the shorter rows
+    padded past their end), grouped-query heads: unmasked open keys merged with the masked tail
+    give what one attention over the whole boolean mask gives."""
+    from lychee_rtc.engine.lychee.model import OpenPrefixMask, StepContext, attend_open_prefix
+
+    g = torch.Generator().manual_seed(0)
+    starts, t, key_len = [2700, 2655, 2690], 41, 2741
+    pos = torch.stack([torch.arange(s, s + t) for s in starts])
+    ctx = StepContext.build(pos, None, key_len, open_keys=int(pos.min()))
+    mask = ctx.attention_mask(dtype)
+    assert isinstance(mask, OpenPrefixMask) and mask.open == 2655 and mask.tail.shape == (3, 1, t, key_len - 2655)
+    q = torch.randn(3, 4, t, 16, generator=g).to(dtype)
+    k, v = (torch.randn(3, 2, key_len, 16, generator=g).to(dtype) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=ctx.mask,
+                                                            enable_gqa=True)
+    got = attend_open_prefix(q, k, v, mask)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # A key the mask hides changes nothing; one it shows changes the row's output.
+    k2 = k.clone()
+    k2[1, :, 2655 + 5] += 3.0  # row 1: query 5 and later see it, queries 0..4 do not
+    again = attend_open_prefix(q, k2, v, mask)
+    assert torch.equal(again[1, :, :5], got[1, :, :5])
+    assert not torch.allclose(again[1, :, 5:].float(), got[1, :, 5:].float())
+
+
+def test_open_keys_are_skipped_only_where_they_outnumber_the_tail():
+    """A forward whose open keys are few (a short context) keeps the single masked attention,
+    as do window programs (no open keys); the mask is additive either way, made once per dtype."""
+    from lychee_rtc.engine.lychee.model import OpenPrefixMask, StepContext
+
+    pos = torch.arange(1500, 1541)[None]
+    short = StepContext.build(pos, None, 1541, open_keys=1500)
+    made = short.attention_mask(torch.float32)
+    assert isinstance(made, torch.Tensor) and made.dtype == torch.float32 and made.shape == (1, 1, 41, 1541)
+    assert torch.equal(made == 0, short.mask) and short.attention_mask(torch.float32) is made
+    window = StepContext.build(torch.arange(5000, 5010)[None], None, 8192)
+    assert isinstance(window.attention_mask(torch.float32), torch.Tensor)
+    long = StepContext.build(torch.arange(5000, 5041)[None], None, 5041, open_keys=5000)
+    assert isinstance(long.attention_mask(torch.float32), OpenPrefixMask)

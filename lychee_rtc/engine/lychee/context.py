@@ -63,6 +63,16 @@ class SlidePolicy:
     step: int
     budget: int = 0
     rate: int = 0  # the steady re-prefill rate one slot needs (positions per window step)
+    context: int = 0  # the largest new context a slide re-prefills (sink + kept)
+    # A position's fixed cost in attended keys (``slide_budget.cost``); None: budget and pace count
+    # positions only. Set from the model's sizes by the runner.
+    fixed: int | None = None
+
+    @property
+    def budget_cost(self) -> float:
+        """The budget in cost: ``budget`` positions each attending to the largest context, so that
+        a step never costs more than the position budget could at its dearest."""
+        return self.budget * ((self.fixed or 0) + self.context)
 
     @property
     def enabled(self) -> bool:
@@ -123,7 +133,7 @@ class SlidePolicy:
                 f"context_prefill_budget: {budget} positions per window step cannot re-prefill the kept context "
                 f"of {sessions} session(s) sliding in the same steps within one slide step ({step // CHUNK} "
                 f"windows): at least {need} (null derives {derived})")
-        return cls(max_seq, window, step, budget, rate)
+        return cls(max_seq, window, step, budget, rate, min(max_prefix + window, max_seq - step - END_MARGIN))
 
     def kept(self, live_prefix: int, new_prefix: int) -> int:
         """Conversation positions a slide keeps: the window, less what a long prefix takes."""

@@ -44,7 +44,7 @@ to the host in one transfer at the end of the step.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -69,7 +69,7 @@ from .graphs import (
 )
 from .model import LycheeFD
 from .slide import FeatureStore, Piece, SlideJob, Slider, SlideStats
-from .slide_budget import Claim, share
+from .slide_budget import Claim, cost, fixed_cost, share
 from .slot import Mode, SlotMachine, SlotResult, SlotState
 from .tokenizer import Tokenizer
 
@@ -137,6 +137,10 @@ class LycheeRunner:
             raise ValueError(f"max_seq {settings.max_seq} leaves no room after the {self.prefix_len}-token prefix")
         self.max_post = settings.max_seq - self.prefix_len
         self.policy, _ = slide_policy(tokenizer, settings, max_sessions)
+        # Slides pace and budget by cost: late pieces attend to thousands of keys (slide_budget.py).
+        main = self.cfg.text
+        fixed = fixed_cost(main.hidden_size, main.num_key_value_heads * main.head_dim, main.intermediate_size)
+        self.policy = replace(self.policy, fixed=fixed)
         # One row per slot plus a scratch row that padding rows of a bucket may write (graphs.py),
         # and with sliding on one staging row per slot after those (slide.py).
         self.scratch = max_sessions
@@ -335,14 +339,24 @@ class LycheeRunner:
                 if plan is not None:
                     self.slides[s.index] = SlideJob(plan, prefix)
         active = [(s, self.slides[s.index]) for s in states if s.index in self.slides]
-        claims = [Claim(s.index, job.steps_left(len(s.text)), max(0, job.target(len(s.text), s.fed) - job.staged))
-                  for s, job in active]
-        grants = share(claims, self.policy.budget, least=self.policy.rate)
+        claims = [Claim(s.index, job.steps_left(len(s.text)), max(0, job.target(len(s.text), s.fed) - job.staged),
+                        job.staged, job.prefix_len + job.plan.kept) for s, job in active]
+        policy = self.policy
+        if policy.fixed is None:
+            grants = share(claims, policy.budget, least=policy.rate)
+            spare = policy.budget - sum(grants)
+        else:
+            grants = share(claims, policy.budget_cost, least=policy.rate, fixed=policy.fixed)
+            stats.budget_cost = policy.budget_cost
+            stats.cost = sum(cost(c.staged, c.staged + g, policy.fixed) for c, g in zip(claims, grants))
+            stats.most_cost = max(stats.most_cost, stats.cost)
+            # padding may use what is left, priced as positions at the largest context
+            spare = int((policy.budget_cost - stats.cost) // (policy.fixed + policy.context))
         pieces = [Piece(job, s.index, self.staging_row(s.index), job.staged + g, s.text, s.stoken, s.control)
                   for (s, job), g in zip(active, grants) if g]
         stats.positions, stats.pieces = sum(grants), len(pieces)
         if pieces:
-            stats.computed, stats.forwards = self.slider.stage(pieces, self.policy.budget - stats.positions)
+            stats.computed, stats.forwards = self.slider.stage(pieces, max(0, spare))
             stats.most_computed = max(stats.most_computed, stats.computed)
         for s, job in active:
             if job.ready(len(s.text), s.fed):

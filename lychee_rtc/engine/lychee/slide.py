@@ -128,9 +128,9 @@ class Piece:
 class SlideStats:
     """What the slides of a runner cost and how they went: the last step's share, running totals."""
 
-    budget: int = 0  # positions per window step, every slot together (the policy's)
+    budget: int = 0  # positions per window step, every slot together (the policy's; in cost: budget_cost)
     positions: int = 0  # re-prefilled in the last step, every slot (padding not counted)
-    computed: int = 0  # the same with the padding of batched forwards: never above the budget
+    computed: int = 0  # the same with the padding of batched forwards
     pieces: int = 0  # slots that re-prefilled in the last step
     forwards: int = 0  # forwards they took (fewer than pieces: batched)
     switches: int = 0  # slides that took effect at the end of the last step
@@ -138,9 +138,12 @@ class SlideStats:
     late: int = 0  # ... of them after their slide point (the budget went to nearer ones first)
     fallbacks: int = 0  # slots that reached their end before their staging row was ready (reset)
     most_computed: int = 0  # the largest ``computed`` of any step
+    budget_cost: float = 0.0  # the budget in cost (``SlidePolicy.budget_cost``; 0: counted in positions)
+    cost: int = 0  # the last step's cost (``slide_budget.cost``, padding not counted): within budget_cost
+    most_cost: int = 0  # the largest ``cost`` of any step
 
     def new_step(self) -> None:
-        self.positions = self.computed = self.pieces = self.forwards = self.switches = 0
+        self.positions = self.computed = self.pieces = self.forwards = self.switches = self.cost = 0
 
 
 class Slider:
@@ -217,7 +220,10 @@ class Slider:
         # Consecutive staging rows (slots side by side, or one slot) are read as a view, not gathered.
         consecutive = [p.row for p in pieces] == list(range(first, first + len(pieces)))
         where = slice(first, first + len(pieces)) if consecutive else rows[:, 0]
-        model.forward_positions(x, e(nxt), model.context(pos, where, key_len=key_len))
+        # Every query's position is at least the smallest: the keys before it are seen by all, and
+        # attention skips their mask (``OpenPrefixMask``; only the pieces' own positions need it).
+        open_keys = int(host[6].min())
+        model.forward_positions(x, e(nxt), model.context(pos, where, key_len=key_len, open_keys=open_keys))
         for p in pieces:
             p.job.staged = p.hi
 

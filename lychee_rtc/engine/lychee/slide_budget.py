@@ -19,12 +19,18 @@ step can be checked exhaustively in tests.
   pieces has one row per piece, each as long as the longest (the shorter padded at positions past
   their own end, where nothing staged lives yet), its attention reading keys up to the furthest
   end. A piece joins a forward only when the padding it adds fits in what the step did not grant
-  (so what a step computes, padding included, never exceeds the budget) and, on a CPU, when the
+  (so what a step computes, padding included, stays within the budget) and, on a CPU, when the
   forward's attention area stays within ``pad_ratio`` times the pieces' own.
+* **Cost.** A position costs a fixed amount (projections and MLP, ``fixed``, counted in attended
+  keys) plus one unit per key it attends to, so a piece late in a slide (thousands of keys) costs
+  several times one of the same length early in it. Given ``fixed``, the pace levels a slide's
+  *cost* over its steps instead of its positions (early pieces longer, late ones shorter: much of
+  the backlog is known when a slide starts) and the budget caps the step's summed cost.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,6 +44,58 @@ class Claim:
     slot: int
     steps_left: int  # window steps until its slide point, this one included (<= 0: late)
     known: int  # positions whose inputs are known and are not staged yet
+    staged: int = 0  # positions of the new context already staged (where the next piece starts)
+    total: int = 0  # positions of the whole new context (sink + kept)
+
+
+def fixed_cost(hidden: int, kv_dim: int, intermediate: int) -> int:
+    """A position's fixed cost in attended keys, from a decoder layer's multiply-adds: projections
+    ``hidden * (2 * hidden + 2 * kv_dim)`` and a gated MLP ``3 * hidden * intermediate``, against
+    ``2 * hidden`` per attended key (scores and weighted values over every query head)."""
+    return hidden + kv_dim + (3 * intermediate + 1) // 2
+
+
+def cost(lo: int, hi: int, fixed: int) -> int:
+    """Cost of re-prefilling positions ``lo .. hi - 1``: each pays ``fixed`` plus one per key it
+    attends to (position p attends to p + 1)."""
+    n = hi - lo
+    return n * fixed + n * (lo + hi + 1) // 2 if n > 0 else 0
+
+
+def fits(lo: int, spend: float, fixed: int) -> int:
+    """The most positions from ``lo`` whose cost is at most ``spend``."""
+    if spend <= 0:
+        return 0
+    b = fixed + lo + 0.5
+    n = max(0, int(math.sqrt(b * b + 2 * spend) - b))
+    while cost(lo, lo + n + 1, fixed) <= spend:
+        n += 1
+    while n and cost(lo, lo + n, fixed) > spend:
+        n -= 1
+    return n
+
+
+def levelled(claim: Claim, fixed: int, reserve: int = RESERVE_STEPS, least: int = 0) -> int:
+    """Positions to stage in this step, by cost. The cost of what is left of the slide is spread
+    evenly over the steps until ``reserve`` steps before its slide point (all known once there, or
+    late): early pieces are longer than late ones. A piece is at least ``least`` positions (a
+    forward's fixed cost paid once per that many) unless those cost more than ``least`` positions
+    at the slide's mean key count (the steady level): late in a slide it is what that level buys.
+    While fewer positions are known than the piece wants it waits, unless waiting one more step
+    would make it dearer than the level."""
+    known, lo = max(0, claim.known), claim.staged
+    k = max(1, claim.steps_left - reserve)
+    if k == 1:
+        return known
+    level = cost(lo, max(claim.total, lo + known), fixed) / k
+    steady = least * (fixed + claim.total / 2)
+    floor = min(least, fits(lo, steady, fixed))
+    want = max(fits(lo, level, fixed), floor)
+    if known >= want:
+        return want
+    if known >= floor:
+        return known
+    return known if cost(lo, lo + known + CHUNK, fixed) > max(level, steady) else 0
 
 
 def pace(known: int, steps_left: int, reserve: int = RESERVE_STEPS, least: int = 0) -> int:
@@ -53,15 +111,20 @@ def pace(known: int, steps_left: int, reserve: int = RESERVE_STEPS, least: int =
     return g
 
 
-def share(claims: Sequence[Claim], budget: int, least: int = 0) -> list[int]:
+def share(claims: Sequence[Claim], budget: float, least: int = 0, fixed: int | None = None) -> list[int]:
     """Each claim's grant for this step, in the claims' order: paces (pieces of ``least`` at
     least) taken earliest slide point first (then by slot, for determinism), their sum capped at
-    ``budget``."""
+    ``budget``. With ``fixed``: levelled paces, and ``budget`` caps their summed ``cost``."""
     grants = [0] * len(claims)
     left = budget
     for i in sorted(range(len(claims)), key=lambda i: (claims[i].steps_left, claims[i].slot)):
-        grants[i] = min(pace(claims[i].known, claims[i].steps_left, least=least), left)
-        left -= grants[i]
+        c = claims[i]
+        if fixed is None:
+            grants[i] = min(pace(c.known, c.steps_left, least=least), int(left))
+            left -= grants[i]
+        else:
+            grants[i] = min(levelled(c, fixed, least=least), fits(c.staged, left, fixed))
+            left -= cost(c.staged, c.staged + grants[i], fixed)
     return grants
 
 
