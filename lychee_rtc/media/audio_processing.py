@@ -44,6 +44,7 @@ import numpy as np
 
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.apm_frames import ApmFrames
+from lychee_rtc.media.echo_estimate import FrameEstimate, LinearEchoEstimate, caller_onset_in_evidence
 from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.session.processing import ProcessingUnavailable
@@ -129,14 +130,19 @@ class AudioProcessingStage:
         # With the echo canceller: the other stages without it, and whether the line has echo.
         self._plain: ApmFrames | None = None
         self._plain_delay = np.zeros(0, np.float32)
+        self._clear_delay = np.zeros(0, np.float32)  # ... and the line less the linear echo estimate
         self._presence: EchoPresence | None = None
+        self._estimate: LinearEchoEstimate | None = None  # our own linear echo estimate (the caller under it)
         self._cancelling = False  # the engine hears the canceller's output
         self._first_sound: int | None = None  # the frame in which the agent was first heard
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
-        # The last frames handed on: the line without the canceller and AEC3's output level (onset).
-        self._recent: deque[tuple[np.ndarray, np.ndarray, float]] = deque(maxlen=ONSET_LOOKBACK_FRAMES)
+        # The last frames handed on: the line without the canceller (less the linear estimate where it is
+        # trusted), AEC3's output level, and whether the linear estimate showed the caller and its
+        # residual's level (None: not trusted yet), for where the caller began.
+        self._recent: deque[tuple[np.ndarray, np.ndarray, float, tuple[bool, float] | None]] = deque(
+            maxlen=ONSET_LOOKBACK_FRAMES)
         self._revision = np.zeros(0, np.float32)  # replaces the end of what was handed on before
         self._pending_onset: np.ndarray | None = None  # ... as found in the frame just processed
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
@@ -162,7 +168,7 @@ class AudioProcessingStage:
         held = self._flush_held()
         if settings == self.settings and (self._apm is not None) == settings.active:
             return held
-        self._plain, self._presence, self._cancelling = None, None, False
+        self._plain, self._presence, self._estimate, self._cancelling = None, None, None, False
         self._first_sound, self._leaking, self._talk_left = None, 0, 0
         self._levels.clear()
         self._recent.clear()
@@ -175,7 +181,9 @@ class AudioProcessingStage:
                 self._plain = ApmFrames(_module(module, plain), frame_cls, self.rate, self.frame) \
                     if plain.active else None
                 self._plain_delay = np.zeros(self.rate * CANCELLER_LAG_MS // 1000, np.float32)
+                self._clear_delay = self._plain_delay.copy()
                 self._presence = EchoPresence(self.rate)
+                self._estimate = LinearEchoEstimate(self.rate, self.frame)
         else:
             self._apm = None  # the native state goes with its handle
         self.settings = settings
@@ -201,7 +209,7 @@ class AudioProcessingStage:
         return held, self._process_frames(np.pad(np.asarray(fill, np.float32), (0, -n % self.frame)))[:n]
 
     def close(self) -> None:
-        self._apm = self._plain = self._presence = None
+        self._apm = self._plain = self._presence = self._estimate = None
         self._reference = np.zeros(0, np.float32)
         if self._resampler is not None:
             self._resampler.close()
@@ -297,10 +305,20 @@ class AudioProcessingStage:
         self._apm.module.set_stream_delay_ms(0)
         cancelled = self._apm.process(samples)
         plain = self._plain.process(samples) if self._plain is not None else np.asarray(samples, np.float32)
-        delayed = np.concatenate([self._plain_delay, plain])
-        plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
         assert self._presence is not None
         found = self._presence.update(reference, samples)
+        # The estimate learns the echo as the plain path hands it on where that path is linear (a high-pass
+        # filter); noise suppression and gain control are not, so there it learns from the microphone and
+        # serves only to find where the caller began.
+        linear = not (self.settings.noise_suppression or self.settings.auto_gain_control)
+        estimate = self._linear_estimate(reference, plain if linear else samples)
+        # Where the caller talks over the echo, the engine hears the line less the linear estimate where
+        # that is trusted (the caller whole, the echo 10-20 dB down), else the line as it is.
+        clear = estimate.residual if linear and estimate is not None and estimate.converged else plain
+        delayed = np.concatenate([self._plain_delay, plain])
+        plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
+        delayed = np.concatenate([self._clear_delay, clear])
+        clear, self._clear_delay = delayed[:self.frame], delayed[self.frame:]
         if self._first_sound is None and float(np.max(np.abs(reference))) > REFERENCE_AUDIBLE:
             self._first_sound = self.counters.frames
         # Until the echo could have been found (its longest delay and the search's own time after the
@@ -313,26 +331,41 @@ class AudioProcessingStage:
         if echo:
             self.counters.cancelled_frames += 1
         if was == echo:
-            out = cancelled if echo else plain
+            out = cancelled if echo else (clear if talking else plain)
         elif talking and self._recent:
-            out = plain  # the switch goes back to where the caller began
+            out = clear  # the switch goes back to where the caller began
             self._pending_onset = self._from_onset()
         else:
             ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
-            out = (cancelled * ramp + plain * (1 - ramp)) if echo else (plain * ramp + cancelled * (1 - ramp))
-        self._recent.append((plain, out, float(np.mean(np.square(cancelled)))))
+            line = clear if talking else plain
+            out = (cancelled * ramp + line * (1 - ramp)) if echo else (line * ramp + cancelled * (1 - ramp))
+        evidence = (estimate.caller, estimate.residual_power) if estimate is not None and estimate.converged else None
+        self._recent.append((clear, out, float(np.mean(np.square(cancelled))), evidence))
         return out
+
+    def _linear_estimate(self, reference: np.ndarray, samples: np.ndarray) -> FrameEstimate | None:
+        """Our own linear echo estimate, placed at the lag where the search found the echo."""
+        assert self._presence is not None and self._estimate is not None
+        lag_ms = self._presence.counters.lag_ms
+        if self._presence.echo and lag_ms is not None:
+            self._estimate.place(lag_ms / 1000.0)
+        return self._estimate.process(reference, samples)
 
     def _from_onset(self) -> np.ndarray:
         """Double talk just confirmed: the frames handed on since the caller began (see
         ``caller_onset``) as the line was, crossfaded in over the first of them."""
         recent = list(self._recent)
-        first = caller_onset([level for _, _, level in recent])
+        evidence = [e for _, _, _, e in recent]
+        if evidence and evidence[-1] is not None and evidence[-1][0]:  # the linear estimate sees them under the echo
+            first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
+                                             [0.0 if e is None else e[1] for e in evidence])
+        else:  # not trusted yet: where AEC3's output rose
+            first = caller_onset([level for _, _, level, _ in recent])
         if first == len(recent):
             return np.zeros(0, np.float32)
         ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
-        plain, handed, _ = recent[first]
-        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
+        plain, handed, _, _ = recent[first]
+        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _, _ in recent[first + 1:]]
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 

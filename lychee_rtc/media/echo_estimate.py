@@ -1,0 +1,177 @@
+"""Our own linear estimate of the echo, for finding the caller under it.
+
+AEC3 (``media/audio_processing.py``) takes a caller who begins quietly under a louder echo down to its
+echo floor, and the line's level does not show them either, so where the caller began was found
+40-70 ms late. The livekit binding does not expose AEC3's linear filter, so the stage runs its own: a
+partitioned-block frequency-domain adaptive filter (normalised LMS per frequency bin, gradient
+constrained) on the far end it already holds, placed at the echo's lag as ``media/echo_presence.py``
+finds it. Its residual ``e = mic - echo estimate`` keeps the caller whole (a linear filter does not
+suppress), so a caller shows in it at once, however loud the echo, as residual above what the
+filter leaves of an echo alone.
+
+Evidence of the caller, per 10 ms frame: the residual's energy over what is expected of the echo
+alone, ``misadjustment * echo estimate + noise``, where the misadjustment (residual over estimate
+in frames without the caller) and the noise (the least residual, rising slowly) are tracked.
+Adaptation stops while the caller is in evidence, so the caller does not de-train the filter (the
+residual rule, not Geigel's: an echo may be louder than what the agent played). An echo path that
+changes also raises the residual; that is told apart by the filter's own trend: evidence that lasts
+``RETRAIN_FRAMES`` without the filter adapting is taken as a new path, and the filter adapts again
+(with the evidence withdrawn) until the misadjustment is back down.
+
+Pure numpy, one session's state, no I/O. Per 10 ms frame: two FFTs of 2 frames, and a batched pair
+over the partitions for the gradient constraint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SPAN_S = 0.1  # the filter's reach behind the echo's lag: the room's early reflections and more
+LEAD_S = 0.01  # ... and ahead of it: the lag is found at 8 kHz, a reflection may come first
+STEP = 0.5  # normalised step per bin, once trusted
+LEARNING_STEP = 1.0  # ... until then (placed afresh, a new path): faster, noisier
+REGULARISATION = 0.2  # of the mean far-end power per bin, added to each bin's
+MISADJUSTMENT_SMOOTHING = 0.9  # of the residual over the estimate, per frame without the caller
+NOISE_RISE = 1.01  # the noise floor's rise per frame, 4 dB a second (it falls at once to a lower residual)
+REFERENCE_FLOOR = 1e-7  # far end mean square below which the agent is silent (-70 dBFS)
+CALLER_OVER_EXPECTED = 8.0  # residual over what the echo alone leaves: 9 dB is the caller
+CONVERGED = 0.2  # misadjustment under which the estimate is trusted (7 dB of echo taken out)
+RETRAIN_FRAMES = 50  # evidence this long with the filter frozen: the echo path changed
+ONSET_UNDER_PEAK = 0.01  # 20 dB: see caller_onset_in_evidence
+LAG_MOVE_S = 0.004  # the lag moving this much re-places the filter (and it learns afresh)
+
+
+@dataclass
+class EstimateCounters:
+    frames: int = 0  # frames filtered (the lag was known)
+    adapted: int = 0  # ... of which the filter learnt from
+    caller_frames: int = 0  # frames with the caller in evidence
+    retrains: int = 0  # times the evidence was taken as a new echo path
+    placements: int = 0  # times the filter was placed at a (new) lag
+
+
+@dataclass(frozen=True)
+class FrameEstimate:
+    residual: np.ndarray  # mic minus the echo estimate
+    residual_power: float  # mean square of it
+    line_power: float  # ... of the microphone
+    expected_power: float  # ... of what the echo alone would leave (misadjustment, noise)
+    converged: bool  # the estimate takes out enough of the echo to be trusted
+
+    @property
+    def caller(self) -> bool:
+        """The caller is in evidence in this frame (only meaningful where ``converged``)."""
+        return self.converged and self.residual_power > CALLER_OVER_EXPECTED * self.expected_power
+
+
+class LinearEchoEstimate:
+    """Fed each 10 ms frame of the far end and the microphone in lockstep, at ``rate``."""
+
+    def __init__(self, rate: int, frame: int, max_lag_s: float = 0.52) -> None:
+        self.rate, self.frame = rate, frame
+        self.partitions = int(np.ceil((SPAN_S + LEAD_S) * rate / frame))
+        self._history = np.zeros(int(max_lag_s * rate) + 2 * frame, np.float64)  # the far end, newest last
+        self._delay: int | None = None  # samples of bulk delay ahead of the filter
+        self.counters = EstimateCounters()
+        self._reset()
+
+    def _reset(self) -> None:
+        bins = self.frame + 1
+        self._weights = np.zeros((self.partitions, bins), np.complex128)
+        self._spectra = np.zeros((self.partitions, bins), np.complex128)  # far end blocks, newest first
+        self._misadjustment = 1.0
+        self._left = self._taken = 0.0  # smoothed residual (over the noise) and estimate energies
+        self._noise: float | None = None
+        self._evidence_run = 0
+        self._retraining = False
+        self._trusted = False  # converged once since placed
+
+    @property
+    def delay_s(self) -> float | None:
+        return None if self._delay is None else self._delay / self.rate
+
+    def place(self, lag_s: float) -> None:
+        """The echo follows the far end by ``lag_s`` (its strongest path); the filter starts ``LEAD_S``
+        ahead of it. A move beyond ``LAG_MOVE_S`` starts the filter afresh."""
+        delay = int(np.clip(round((lag_s - LEAD_S) * self.rate), 0, len(self._history) - 2 * self.frame))
+        if self._delay is not None and abs(delay - self._delay) <= LAG_MOVE_S * self.rate:
+            return
+        self._delay = delay
+        self.counters.placements += 1
+        self._reset()
+
+    def process(self, reference: np.ndarray, mic: np.ndarray) -> FrameEstimate | None:
+        """One frame of each (``frame`` samples); None until the filter has been placed."""
+        n = self.frame
+        self._history = np.concatenate([self._history[n:], np.asarray(reference, np.float64)])
+        if self._delay is None:
+            return None
+        self.counters.frames += 1
+        end = len(self._history) - self._delay
+        block = self._history[end - 2 * n:end]
+        spectrum = np.fft.rfft(block)
+        self._spectra[1:] = self._spectra[:-1]  # in place: no array per frame
+        self._spectra[0] = spectrum
+        estimate = np.fft.irfft(np.sum(self._weights * self._spectra, axis=0), 2 * n)[n:]
+        d = np.asarray(mic, np.float64)
+        e = d - estimate
+        residual_power = float(np.dot(e, e)) / n
+        estimate_power = float(np.dot(estimate, estimate)) / n
+        far_power = float(np.dot(block[n:], block[n:])) / n
+
+        # The line's noise: the least residual, rising slowly (the agent's pauses are seldom silent).
+        self._noise = residual_power if self._noise is None else min(self._noise * NOISE_RISE, residual_power)
+        noise = self._noise if self._noise is not None else 0.0
+        expected = self._misadjustment * estimate_power + noise
+        converged = self._misadjustment < CONVERGED and estimate_power > noise
+        self._trusted = self._trusted or converged
+        caller = converged and residual_power > CALLER_OVER_EXPECTED * expected
+        if caller and not self._retraining:
+            self._evidence_run += 1
+            if self._evidence_run >= RETRAIN_FRAMES:  # too long for a barge-in frozen: a new path
+                self._retraining = True
+                self.counters.retrains += 1
+        else:
+            self._evidence_run = 0
+        if self._retraining and self._misadjustment < CONVERGED / 2:
+            self._retraining = False
+        adapt = far_power >= REFERENCE_FLOOR and (not caller or self._retraining)
+        if caller and not self._retraining:
+            self.counters.caller_frames += 1
+        if adapt:
+            self.counters.adapted += 1
+            # Normalised by the far end's energy per bin over the filter's whole reach (what it learns from).
+            power = np.sum(self._spectra.real ** 2 + self._spectra.imag ** 2, axis=0)
+            # Bins the far end barely reaches (a narrowband leg's upper half) would take huge steps.
+            norm = power + REGULARISATION * float(np.mean(power)) + 1e-9
+            error = np.fft.rfft(np.concatenate([np.zeros(n), e]))
+            step = STEP if self._trusted and not self._retraining else LEARNING_STEP
+            gradient = np.conj(self._spectra) * (step * error / norm)
+            g = np.fft.irfft(gradient, 2 * n, axis=1)
+            g[:, n:] = 0.0  # the constraint: a linear, not circular, convolution is learnt
+            self._weights += np.fft.rfft(g, axis=1)
+            # Energy-weighted (loud frames count most): a ratio of smoothed energies, not of frames.
+            a = MISADJUSTMENT_SMOOTHING
+            self._left = a * self._left + (1 - a) * max(residual_power - noise, 0.0)
+            self._taken = a * self._taken + (1 - a) * estimate_power
+            self._misadjustment = min(self._left / max(self._taken, 1e-12), 1.0)
+        return FrameEstimate(e.astype(np.float32), residual_power, float(np.dot(d, d)) / n, expected,
+                             converged and not self._retraining)
+
+
+def caller_onset_in_evidence(evidence: list[bool], residual: list[float]) -> int:
+    """Where the caller began, given per frame (oldest first) whether the linear estimate showed them and
+    its residual's level (mean square): the first of the frames running up to the last that did, less
+    leading ones ``ONSET_UNDER_PEAK`` under the loudest of the run (a caller's first syllable is
+    seldom 20 dB under their voice; what the filter leaves of an echo's tail it cannot reach can stand
+    over the little it expects where the agent pauses); ``len(evidence)`` where the last did not."""
+    first = len(evidence)
+    while first > 0 and evidence[first - 1]:
+        first -= 1
+    if first < len(evidence):
+        floor = ONSET_UNDER_PEAK * max(residual[first:])
+        while residual[first] < floor:
+            first += 1
+    return first
