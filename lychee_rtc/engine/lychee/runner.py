@@ -81,7 +81,7 @@ DEFAULT_INSTRUCTIONS = "You are a helpful assistant."
 # the thread's CPU time; a share is cut to what is left of it (never what a slide needs to be on
 # time). 400 ms is the window's deadline; the rest is room for the estimate's error.
 SHARE_DEADLINE_S = 0.34
-PER_COST_SMOOTHING = 0.2  # weight of the newest share in the running seconds-per-cost estimate"
+PER_COST_SMOOTHING = 0.2  # weight of the newest share in the running seconds-per-cost estimate
 SYSTEM_TEMPLATE = "<|BOT|>system\n{instructions}<|EOT|>"  # the reference's fixed prefix for the default
 
 
