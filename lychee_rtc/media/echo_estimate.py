@@ -105,7 +105,8 @@ class LinearEchoEstimate:
     def process(self, reference: np.ndarray, mic: np.ndarray) -> FrameEstimate | None:
         """One frame of each (``frame`` samples); None until the filter has been placed."""
         n = self.frame
-        self._history = np.concatenate([self._history[n:], np.asarray(reference, np.float64)])
+        self._history[:-n] = self._history[n:]  # in place: the far end's 0.5 s is not copied anew per frame
+        self._history[-n:] = reference
         if self._delay is None:
             return None
         self.counters.frames += 1

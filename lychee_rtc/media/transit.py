@@ -12,6 +12,7 @@ the last few, bounded; with no report yet it is 0 (the stamps then keep only wha
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 # A report past this is a stalled end, not a path: it is bounded here rather than trusted.
@@ -40,9 +41,7 @@ class TransitEstimate:
         self.reports += 1
         self.source = source
         self.out_share = min(1.0, max(0.0, out_share))
-        ordered = sorted(self._round_trips)  # here, once a report: the stamps read it for every frame
-        mid = len(ordered) // 2
-        self._median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        self._median = statistics.median(self._round_trips)  # here, once a report: the stamps read it per frame
 
     def round_trip_s(self) -> float:
         return self._median
