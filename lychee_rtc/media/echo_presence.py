@@ -10,8 +10,11 @@ canceller's output only where this finds the echo it is there for.
 
 The test: the normalised cross-correlation of the caller's microphone with what the agent played
 (the reference, as the canceller gets it), at every lag up to half a second (as far as AEC3's own
-delay search reaches), over the last 512 ms, at 8 kHz, both sides first differenced so the voice's
-strong low harmonics do not smear the peak. An echo correlates at its lag (0.8 to 0.95 within the
+delay search reaches), over the last 500 ms, at 8 kHz, both sides first differenced so the voice's
+strong low harmonics do not smear the peak. It is kept up to date block by block (``SlidingCorrelation``)
+rather than computed afresh every 20 ms: each new 20 ms of microphone is correlated with the
+reference once, in the frequency domain against spectra of the reference already taken, and the
+block leaving the window is taken out again; the sums equal the direct correlation's. An echo correlates at its lag (0.8 to 0.95 within the
 first 100 ms of an echo 20 dB or more above the room's noise); the caller's own voice against the
 agent's does not (at most 0.43 over 20 minutes of other voices against the agent's, docs/echo.md). Echo is declared on the second update in a row
 above the threshold at the same lag, and given up after ``RELEASE_S`` of agent speech without it.
@@ -25,8 +28,9 @@ import numpy as np
 
 ANALYSIS_RATE = 8000
 MAX_LAG_S = 0.512  # AEC3's delay search reaches about this far (docs/echo.md)
-WINDOW_S = 0.512  # with the lags, 8192 samples: one power-of-two FFT size
-HOP_S = 0.02  # an assessment every 20 ms of uplink
+WINDOW_HOPS = 25  # the window correlated: 500 ms, a whole number of blocks (HOP_S)
+REBUILD_HOPS = 250  # the running sums are recomputed exactly this often (5 s), so no rounding accumulates
+HOP_S = 0.02  # an assessment every 20 ms of uplink, and the block the correlation is kept up to date by
 RELEASE_CHECK_EVERY = 5  # ... and every 100 ms once echo is found
 DETECT = 0.55  # correlation that counts as echo ...
 CONFIRM = 3  # ... in this many updates in a row ...
@@ -35,10 +39,6 @@ RELEASE_S = 10.0  # agent speech without echo that gives it up again (the caller
 # Below these the window is silence (an idle line, digital silence between words): no evidence either way.
 MIC_FLOOR = 1e-9  # mean square of the differenced microphone, about -90 dBFS
 REFERENCE_FLOOR = 1e-8
-
-
-def _first_difference(x: np.ndarray, previous: float) -> np.ndarray:
-    return np.diff(np.concatenate([[previous], x]))
 
 
 def echo_correlation(mic: np.ndarray, reference: np.ndarray, max_lag: int) -> tuple[float, int] | None:
@@ -52,16 +52,82 @@ def echo_correlation(mic: np.ndarray, reference: np.ndarray, max_lag: int) -> tu
     # c[j] = sum over p of mic[p] * reference[p + j]; no j in 0..max_lag wraps around, so a circular
     # correlation as long as the reference is exact. mic[p] stands at reference[p + max_lag].
     c = np.fft.irfft(np.conj(np.fft.rfft(mic, n)) * np.fft.rfft(reference), n)
-    products = c[max_lag::-1]  # lag 0..max_lag
+    return normalised(c[max_lag::-1], mic_energy, reference, w)  # lag 0..max_lag
+
+
+def normalised(products: np.ndarray, mic_energy: float, reference: np.ndarray, w: int) -> tuple[float, int] | None:
+    """``products[j]`` (lag 0..max_lag) over the ``w`` samples of microphone whose energy is
+    ``mic_energy``, normalised by the reference aligned at each lag (``reference`` as in
+    ``echo_correlation``): the best correlation and its lag; None where every aligned stretch is silent."""
+    max_lag = len(products) - 1
     cumulative = np.concatenate([[0.0], np.cumsum(np.square(reference))])
-    starts = max_lag - np.arange(max_lag + 1)
-    reference_energy = cumulative[starts + w] - cumulative[starts]
+    reference_energy = cumulative[max_lag + w:w - 1:-1] - cumulative[max_lag::-1]  # lag 0..max_lag
     live = reference_energy > REFERENCE_FLOOR * w
     if not live.any():
         return None
     rho = np.where(live, products / np.sqrt(mic_energy * np.maximum(reference_energy, 1e-30)), 0.0)
     lag = int(np.argmax(rho))  # an echo is the reference itself, not its inverse
     return float(rho[lag]), lag
+
+
+class SlidingCorrelation:
+    """The products of ``echo_correlation`` (lags 0..``max_lag``) over the last ``blocks`` blocks of
+    ``block`` samples, kept up to date as each block of microphone and reference comes.
+
+    For the microphone's block ``b`` and the lags ``k * block + m`` (``m`` < ``block``), the products
+    touch reference blocks ``b - k - 1`` and ``b - k``: the circular correlation, over ``2 * block``
+    points, of the microphone's block (zero-padded) with those two reference blocks gives them all,
+    none wrapped. So each reference block's spectrum (with the block before it) is taken once, when it
+    comes, and serves every lag partition it falls in for as long as the window holds it; a new
+    microphone block adds its products at every partition (one spectrum, a product per partition), the
+    block leaving the window takes its own out, and only an assessment goes back to the time domain
+    (one batch of small inverse transforms). The sums are kept in the frequency domain."""
+
+    def __init__(self, block: int, blocks: int, max_lag: int) -> None:
+        self.block, self.blocks, self.max_lag = block, blocks, max_lag
+        self.partitions = -(-(max_lag + 1) // block)
+        bins = block + 1
+        # Reference spectra, oldest first, each written twice (rows i and i + n) so that the newest n are
+        # always one contiguous slice; n reaches back to what the block leaving the window needs.
+        self._span = blocks + self.partitions
+        self._reference = np.zeros((2 * self._span, bins), np.complex128)
+        self._mic = np.zeros((blocks, bins), np.complex128)  # conjugated microphone spectra, a ring
+        self._sums = np.zeros((self.partitions, bins), np.complex128)  # partition k in row k
+        self._previous = np.zeros(block)  # the reference block before the newest
+        self._count = 0  # blocks taken
+
+    def push(self, reference: np.ndarray, mic: np.ndarray) -> None:
+        """One block of each, in lockstep."""
+        n = self.block
+        spectrum = np.fft.rfft(np.concatenate([self._previous, reference]))
+        self._previous = np.asarray(reference, np.float64).copy()
+        row = self._count % self._span
+        self._reference[row] = self._reference[row + self._span] = spectrum
+        newest = row + self._span  # rows newest - k hold reference block count - k
+        slot = self._count % self.blocks
+        leaving = self._mic[slot].copy()
+        self._mic[slot] = np.conj(np.fft.rfft(mic, 2 * n))
+        self._count += 1
+        if self._count % REBUILD_HOPS == 0:
+            self._rebuild(newest)
+            return
+        self._sums += self._mic[slot] * self._reference[newest:newest - self.partitions:-1]
+        old = newest - self.blocks
+        self._sums -= leaving * self._reference[old:old - self.partitions:-1]
+
+    def _rebuild(self, newest: int) -> None:
+        """The sums afresh from the window's blocks, exactly (rounding does not pile up over a call)."""
+        self._sums[:] = 0.0
+        for age in range(min(self.blocks, self._count)):
+            slot = (self._count - 1 - age) % self.blocks
+            at = newest - age
+            self._sums += self._mic[slot] * self._reference[at:at - self.partitions:-1]
+
+    def products(self) -> np.ndarray:
+        """Lag 0..``max_lag``: the sum over the window of mic[t] * reference[t - lag]."""
+        n = self.block
+        r = np.fft.irfft(self._sums, 2 * n, axis=1)
+        return r[:, n:0:-1].reshape(-1)[:self.max_lag + 1]
 
 
 @dataclass
@@ -81,12 +147,13 @@ class EchoPresence:
             raise ValueError(f"echo detection runs at multiples of {ANALYSIS_RATE} Hz, not {rate}")
         self._factor = rate // ANALYSIS_RATE
         self._max_lag = int(MAX_LAG_S * ANALYSIS_RATE)
-        self._window = int(WINDOW_S * ANALYSIS_RATE)
         self._hop = int(HOP_S * ANALYSIS_RATE)
+        self._window = WINDOW_HOPS * self._hop
+        self._correlation = SlidingCorrelation(self._hop, WINDOW_HOPS, self._max_lag)
         self._mic = np.zeros(self._window)
         self._reference = np.zeros(self._window + self._max_lag)
         self._last = (0.0, 0.0)  # the last decimated sample of each, for the first difference
-        self._due = self._hop  # samples until the next assessment
+        self._pending = 0  # samples of the newest block taken so far (at the ends of the two buffers)
         self._hops = 0
         self._streak: list[int] = []  # lags of the assessments in a row above DETECT
         self._quiet = 0  # samples of agent speech without echo since it was last found
@@ -96,20 +163,30 @@ class EchoPresence:
     def update(self, reference: np.ndarray, mic: np.ndarray) -> bool:
         """Equal lengths of each; returns whether the line carries echo now."""
         ref, m = self._decimate(reference), self._decimate(mic)
-        if len(ref) == 0:
-            return self.echo
-        ref_d, mic_d = _first_difference(ref, self._last[0]), _first_difference(m, self._last[1])
-        self._last = (float(ref[-1]), float(m[-1]))
-        self._reference = np.concatenate([self._reference[len(ref_d):], ref_d])
-        self._mic = np.concatenate([self._mic[len(mic_d):], mic_d])
-        self._due -= len(ref)
-        while self._due <= 0:
-            self._due += self._hop
-            self._hops += 1
-            # Once found, a slower look is enough to notice it going.
-            if not self.echo or self._hops % RELEASE_CHECK_EVERY == 0:
-                self._assess(self._hop * (1 if not self.echo else RELEASE_CHECK_EVERY))
+        while len(ref):
+            take = min(len(ref), self._hop - self._pending)
+            self._take(ref[:take], m[:take])
+            ref, m = ref[take:], m[take:]
         return self.echo
+
+    def _take(self, ref: np.ndarray, m: np.ndarray) -> None:
+        """Up to the end of the current block."""
+        k = len(ref)
+        for buffer, x, last in ((self._reference, ref, self._last[0]), (self._mic, m, self._last[1])):
+            buffer[:-k] = buffer[k:]  # in place: no new array per frame
+            buffer[-k] = x[0] - last
+            buffer[len(buffer) - k + 1:] = np.diff(x)
+        self._last = (float(ref[-1]), float(m[-1]))
+        self._pending += k
+        if self._pending < self._hop:
+            return
+        self._pending = 0
+        hop = self._hop
+        self._correlation.push(self._reference[-hop:], self._mic[-hop:])
+        self._hops += 1
+        # Once found, a slower look is enough to notice it going.
+        if not self.echo or self._hops % RELEASE_CHECK_EVERY == 0:
+            self._assess(hop * (1 if not self.echo else RELEASE_CHECK_EVERY))
 
     def _decimate(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, np.float64)
@@ -118,9 +195,17 @@ class EchoPresence:
         n = len(x) // self._factor * self._factor
         return x[:n].reshape(-1, self._factor).mean(axis=1)
 
+    def _correlate(self) -> tuple[float, int] | None:
+        """``echo_correlation`` of the window, from the running products."""
+        w = self._window
+        mic_energy = float(np.dot(self._mic, self._mic))
+        if mic_energy < MIC_FLOOR * w:
+            return None
+        return normalised(self._correlation.products(), mic_energy, self._reference, w)
+
     def _assess(self, span: int) -> None:
-        talking = float(np.mean(np.square(self._reference))) > REFERENCE_FLOOR
-        found = echo_correlation(self._mic, self._reference, self._max_lag) if talking else None
+        talking = float(np.dot(self._reference, self._reference)) > REFERENCE_FLOOR * len(self._reference)
+        found = self._correlate() if talking else None
         if found is not None:
             self.counters.updates += 1
             self.counters.best = max(self.counters.best, found[0])
