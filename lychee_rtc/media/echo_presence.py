@@ -52,16 +52,16 @@ def echo_correlation(mic: np.ndarray, reference: np.ndarray, max_lag: int) -> tu
     # c[j] = sum over p of mic[p] * reference[p + j]; no j in 0..max_lag wraps around, so a circular
     # correlation as long as the reference is exact. mic[p] stands at reference[p + max_lag].
     c = np.fft.irfft(np.conj(np.fft.rfft(mic, n)) * np.fft.rfft(reference), n)
-    return normalised(c[max_lag::-1], mic_energy, reference, w)  # lag 0..max_lag
-
-
-def normalised(products: np.ndarray, mic_energy: float, reference: np.ndarray, w: int) -> tuple[float, int] | None:
-    """``products[j]`` (lag 0..max_lag) over the ``w`` samples of microphone whose energy is
-    ``mic_energy``, normalised by the reference aligned at each lag (``reference`` as in
-    ``echo_correlation``): the best correlation and its lag; None where every aligned stretch is silent."""
-    max_lag = len(products) - 1
     cumulative = np.concatenate([[0.0], np.cumsum(np.square(reference))])
     reference_energy = cumulative[max_lag + w:w - 1:-1] - cumulative[max_lag::-1]  # lag 0..max_lag
+    return normalised(c[max_lag::-1], mic_energy, reference_energy, w)
+
+
+def normalised(products: np.ndarray, mic_energy: float, reference_energy: np.ndarray,
+               w: int) -> tuple[float, int] | None:
+    """``products[j]`` (lag 0..max_lag) over ``w`` samples of microphone whose energy is ``mic_energy``,
+    normalised by the energy of the reference aligned at each lag: the best correlation and its lag;
+    None where every aligned stretch of the reference is silent."""
     live = reference_energy > REFERENCE_FLOOR * w
     if not live.any():
         return None
@@ -71,8 +71,8 @@ def normalised(products: np.ndarray, mic_energy: float, reference: np.ndarray, w
 
 
 class SlidingCorrelation:
-    """The products of ``echo_correlation`` (lags 0..``max_lag``) over the last ``blocks`` blocks of
-    ``block`` samples, kept up to date as each block of microphone and reference comes.
+    """``echo_correlation`` of the last ``blocks`` blocks of ``block`` samples of microphone (lags
+    0..``max_lag``), kept up to date as each block of microphone and reference comes.
 
     For the microphone's block ``b`` and the lags ``k * block + m`` (``m`` < ``block``), the products
     touch reference blocks ``b - k - 1`` and ``b - k``: the circular correlation, over ``2 * block``
@@ -81,39 +81,64 @@ class SlidingCorrelation:
     comes, and serves every lag partition it falls in for as long as the window holds it; a new
     microphone block adds its products at every partition (one spectrum, a product per partition), the
     block leaving the window takes its own out, and only an assessment goes back to the time domain
-    (one batch of small inverse transforms). The sums are kept in the frequency domain."""
+    (one batch of small inverse transforms). The sums are kept in the frequency domain. The reference's
+    energy at each lag moves with it: a block later, lag ``j + block`` has what lag ``j`` had, so only
+    the newest ``block`` lags are summed afresh."""
 
     def __init__(self, block: int, blocks: int, max_lag: int) -> None:
         self.block, self.blocks, self.max_lag = block, blocks, max_lag
+        self.window = block * blocks
         self.partitions = -(-(max_lag + 1) // block)
         bins = block + 1
         # Reference spectra, oldest first, each written twice (rows i and i + n) so that the newest n are
         # always one contiguous slice; n reaches back to what the block leaving the window needs.
         self._span = blocks + self.partitions
-        self._reference = np.zeros((2 * self._span, bins), np.complex128)
-        self._mic = np.zeros((blocks, bins), np.complex128)  # conjugated microphone spectra, a ring
+        self._spectra = np.zeros((2 * self._span, bins), np.complex128)
+        self._mic_spectra = np.zeros((blocks, bins), np.complex128)  # conjugated, a ring
         self._sums = np.zeros((self.partitions, bins), np.complex128)  # partition k in row k
-        self._previous = np.zeros(block)  # the reference block before the newest
+        self._term = np.empty_like(self._sums)
+        self._frames = np.zeros((2, 2 * block))  # what push transforms
         self._count = 0  # blocks taken
+        # The time domain: the window of microphone, and the reference it is correlated with (ending
+        # where it ends, ``max_lag`` longer), and the reference's energy aligned at each lag.
+        self.mic = np.zeros(self.window)
+        self.reference = np.zeros(self.window + max_lag)
+        self.reference_energy = np.zeros(max_lag + 1)
 
     def push(self, reference: np.ndarray, mic: np.ndarray) -> None:
         """One block of each, in lockstep."""
-        n = self.block
-        spectrum = np.fft.rfft(np.concatenate([self._previous, reference]))
-        self._previous = np.asarray(reference, np.float64).copy()
+        n, w = self.block, self.window
+        self.reference[:-n] = self.reference[n:]  # in place: no new arrays per block
+        self.reference[-n:] = reference
+        self.mic[:-n] = self.mic[n:]
+        self.mic[-n:] = mic
+        energy, ref = self.reference_energy, self.reference
+        energy[n:] = energy[:-n].copy()
+        # Lags 0..n-1 afresh: lag j spans reference[L - w - j : L - j].
+        entering = np.square(ref[-w - n:-w][::-1])[:n - 1]  # ref[L - w - j] for j = 1..n-1
+        leaving = np.square(ref[-n:][::-1])[:n - 1]  # ref[L - j] for j = 1..n-1
+        energy[0] = float(np.dot(ref[-w:], ref[-w:]))
+        energy[1:n] = energy[0] + np.cumsum(entering - leaving)
+
+        # Both spectra in one call: the reference's last two blocks, the microphone's block zero-padded.
+        self._frames[0] = ref[-2 * n:]
+        self._frames[1, :n] = mic
+        spectra = np.fft.rfft(self._frames, axis=1)
         row = self._count % self._span
-        self._reference[row] = self._reference[row + self._span] = spectrum
-        newest = row + self._span  # rows newest - k hold reference block count - k
+        self._spectra[row] = self._spectra[row + self._span] = spectra[0]
+        newest = row + self._span  # row newest - k holds reference block count - k
         slot = self._count % self.blocks
-        leaving = self._mic[slot].copy()
-        self._mic[slot] = np.conj(np.fft.rfft(mic, 2 * n))
+        gone = self._mic_spectra[slot].copy()
+        np.conjugate(spectra[1], out=self._mic_spectra[slot])
         self._count += 1
         if self._count % REBUILD_HOPS == 0:
             self._rebuild(newest)
             return
-        self._sums += self._mic[slot] * self._reference[newest:newest - self.partitions:-1]
+        np.multiply(self._mic_spectra[slot], self._spectra[newest:newest - self.partitions:-1], out=self._term)
+        self._sums += self._term
         old = newest - self.blocks
-        self._sums -= leaving * self._reference[old:old - self.partitions:-1]
+        np.multiply(gone, self._spectra[old:old - self.partitions:-1], out=self._term)
+        self._sums -= self._term
 
     def _rebuild(self, newest: int) -> None:
         """The sums afresh from the window's blocks, exactly (rounding does not pile up over a call)."""
@@ -121,13 +146,20 @@ class SlidingCorrelation:
         for age in range(min(self.blocks, self._count)):
             slot = (self._count - 1 - age) % self.blocks
             at = newest - age
-            self._sums += self._mic[slot] * self._reference[at:at - self.partitions:-1]
+            self._sums += self._mic_spectra[slot] * self._spectra[at:at - self.partitions:-1]
 
     def products(self) -> np.ndarray:
         """Lag 0..``max_lag``: the sum over the window of mic[t] * reference[t - lag]."""
         n = self.block
         r = np.fft.irfft(self._sums, 2 * n, axis=1)
         return r[:, n:0:-1].reshape(-1)[:self.max_lag + 1]
+
+    def best(self) -> tuple[float, int] | None:
+        """As ``echo_correlation`` of the window."""
+        mic_energy = float(np.dot(self.mic, self.mic))
+        if mic_energy < MIC_FLOOR * self.window:
+            return None
+        return normalised(self.products(), mic_energy, self.reference_energy, self.window)
 
 
 @dataclass
@@ -148,12 +180,11 @@ class EchoPresence:
         self._factor = rate // ANALYSIS_RATE
         self._max_lag = int(MAX_LAG_S * ANALYSIS_RATE)
         self._hop = int(HOP_S * ANALYSIS_RATE)
-        self._window = WINDOW_HOPS * self._hop
         self._correlation = SlidingCorrelation(self._hop, WINDOW_HOPS, self._max_lag)
-        self._mic = np.zeros(self._window)
-        self._reference = np.zeros(self._window + self._max_lag)
-        self._last = (0.0, 0.0)  # the last decimated sample of each, for the first difference
-        self._pending = 0  # samples of the newest block taken so far (at the ends of the two buffers)
+        # The block being filled, first differenced: reference in row 0, microphone in row 1.
+        self._block = np.zeros((2, self._hop))
+        self._last = np.zeros(2)  # the last decimated sample of each, for the first difference
+        self._pending = 0  # samples of the block taken so far
         self._hops = 0
         self._streak: list[int] = []  # lags of the assessments in a row above DETECT
         self._quiet = 0  # samples of agent speech without echo since it was last found
@@ -162,50 +193,43 @@ class EchoPresence:
 
     def update(self, reference: np.ndarray, mic: np.ndarray) -> bool:
         """Equal lengths of each; returns whether the line carries echo now."""
-        ref, m = self._decimate(reference), self._decimate(mic)
-        while len(ref):
-            take = min(len(ref), self._hop - self._pending)
-            self._take(ref[:take], m[:take])
-            ref, m = ref[take:], m[take:]
+        x = np.stack([self._decimate(reference), self._decimate(mic)])
+        while x.shape[1]:
+            take = min(x.shape[1], self._hop - self._pending)
+            self._take(x[:, :take])
+            x = x[:, take:]
         return self.echo
 
-    def _take(self, ref: np.ndarray, m: np.ndarray) -> None:
-        """Up to the end of the current block."""
-        k = len(ref)
-        for buffer, x, last in ((self._reference, ref, self._last[0]), (self._mic, m, self._last[1])):
-            buffer[:-k] = buffer[k:]  # in place: no new array per frame
-            buffer[-k] = x[0] - last
-            buffer[len(buffer) - k + 1:] = np.diff(x)
-        self._last = (float(ref[-1]), float(m[-1]))
+    def _take(self, x: np.ndarray) -> None:
+        """Reference and microphone (rows), up to the end of the block."""
+        at, k = self._pending, x.shape[1]
+        self._block[:, at] = x[:, 0] - self._last
+        np.subtract(x[:, 1:], x[:, :-1], out=self._block[:, at + 1:at + k])
+        self._last = x[:, -1].copy()
         self._pending += k
         if self._pending < self._hop:
             return
         self._pending = 0
-        hop = self._hop
-        self._correlation.push(self._reference[-hop:], self._mic[-hop:])
+        self._correlation.push(self._block[0], self._block[1])
         self._hops += 1
         # Once found, a slower look is enough to notice it going.
         if not self.echo or self._hops % RELEASE_CHECK_EVERY == 0:
-            self._assess(hop * (1 if not self.echo else RELEASE_CHECK_EVERY))
+            self._assess(self._hop * (1 if not self.echo else RELEASE_CHECK_EVERY))
 
     def _decimate(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, np.float64)
         if self._factor == 1:
             return x
+        if self._factor == 2:  # the stage's 16 kHz: the same means, in one step instead of a reduction
+            n = len(x) // 2 * 2
+            return (x[0:n:2] + x[1:n:2]) * 0.5
         n = len(x) // self._factor * self._factor
         return x[:n].reshape(-1, self._factor).mean(axis=1)
 
-    def _correlate(self) -> tuple[float, int] | None:
-        """``echo_correlation`` of the window, from the running products."""
-        w = self._window
-        mic_energy = float(np.dot(self._mic, self._mic))
-        if mic_energy < MIC_FLOOR * w:
-            return None
-        return normalised(self._correlation.products(), mic_energy, self._reference, w)
-
     def _assess(self, span: int) -> None:
-        talking = float(np.dot(self._reference, self._reference)) > REFERENCE_FLOOR * len(self._reference)
-        found = self._correlate() if talking else None
+        reference = self._correlation.reference
+        talking = float(np.dot(reference, reference)) > REFERENCE_FLOOR * len(reference)
+        found = self._correlation.best() if talking else None
         if found is not None:
             self.counters.updates += 1
             self.counters.best = max(self.counters.best, found[0])
