@@ -11,13 +11,17 @@ canceller's output only where this finds the echo it is there for.
 The test: the normalised cross-correlation of the caller's microphone with what the agent played
 (the reference, as the canceller gets it), at every lag up to half a second (as far as AEC3's own
 delay search reaches), over the last 500 ms, at 8 kHz, both sides first differenced so the voice's
-strong low harmonics do not smear the peak. It is kept up to date block by block (``SlidingCorrelation``)
-rather than computed afresh every 20 ms: each new 20 ms of microphone is correlated with the
-reference once, in the frequency domain against spectra of the reference already taken, and the
-block leaving the window is taken out again; the sums equal the direct correlation's. An echo correlates at its lag (0.8 to 0.95 within the
+strong low harmonics do not smear the peak. An echo correlates at its lag (0.8 to 0.95 within the
 first 100 ms of an echo 20 dB or more above the room's noise); the caller's own voice against the
-agent's does not (at most 0.43 over 20 minutes of other voices against the agent's, docs/echo.md). Echo is declared on the second update in a row
-above the threshold at the same lag, and given up after ``RELEASE_S`` of agent speech without it.
+agent's does not (at most 0.43 over 20 minutes of other voices against the agent's, docs/echo.md).
+Echo is declared on the third update in a row above the threshold at the same lag, and given up
+after ``RELEASE_S`` of agent speech without it.
+
+The correlation is kept up to date block by block (``SlidingCorrelation``) rather than computed
+afresh every 20 ms (three 8192-point transforms each time, most of the stage's own cost): each new
+20 ms of microphone is correlated once, in the frequency domain, against spectra of the reference
+already taken, and taken out again when it leaves the window. The sums equal the direct
+correlation's (``echo_correlation``, which the tests hold it to).
 """
 
 from __future__ import annotations
