@@ -103,6 +103,8 @@ class SlidingCorrelation:
         self._term = np.empty_like(self._sums)
         self._frames = np.zeros((2, 2 * block))  # what push transforms
         self._count = 0  # blocks taken
+        self._silent = 0  # reference blocks running that were all zero
+        self.skipped = 0  # blocks with nothing to correlate (the reference's whole span silent)
         # The time domain: the window of microphone, and the reference it is correlated with (ending
         # where it ends, ``max_lag`` longer), and the reference's energy aligned at each lag.
         self.mic = np.zeros(self.window)
@@ -116,6 +118,14 @@ class SlidingCorrelation:
         self.reference[-n:] = reference
         self.mic[:-n] = self.mic[n:]
         self.mic[-n:] = mic
+        self._silent = 0 if np.any(reference) else self._silent + 1
+        if self._silent > self._span:  # the agent silent a while (digital silence): every product is zero
+            self.reference_energy[:] = 0.0
+            self._mic_spectra[self._count % self.blocks] = 0.0  # ... and this block's ever will be
+            self._sums[:] = 0.0
+            self._count += 1
+            self.skipped += 1
+            return
         energy, ref = self.reference_energy, self.reference
         energy[n:] = energy[:-n].copy()
         # Lags 0..n-1 afresh: lag j spans reference[L - w - j : L - j].
