@@ -69,11 +69,6 @@ CANCELLER_LAG_MS = 8
 # search takes (0.1-0.2 s) pass before the engine may hear the line without the canceller.
 REFERENCE_AUDIBLE = 1e-3
 SETTLE_FRAMES = 70
-# The far end this quiet (-80 dBFS peak) this long (the echo's longest delay and a room's tail): no echo
-# of the agent can be on the line, the engine hears it without the canceller, and the canceller rests
-# (neither direction is given to it, so they stay in lockstep) until the agent is heard again.
-REST_LEVEL = 1e-4
-REST_AFTER_FRAMES = 100
 DOUBLE_TALK_GAIN = 10 ** (-10 / 10)  # within 10 dB of its input through AEC3 ...
 DOUBLE_TALK_FRAMES = 3  # ... three frames running: the caller talks
 DOUBLE_TALK_FLOOR = 1e-6  # an input below -60 dBFS is no one talking
@@ -108,7 +103,6 @@ class ProcessingCounters:
     frames: int = 0  # 10 ms uplink frames processed
     reference_frames: int = 0  # 10 ms far-end frames given to the canceller
     reference_underruns: int = 0  # ... of which silence, because nothing had left
-    resting_frames: int = 0  # uplink frames the canceller rested through (the agent silent a while)
     reference_trimmed_s: float = 0.0  # far end dropped: standing too far ahead of the uplink
     reference_cut_s: float = 0.0  # far end taken back at interruptions (never reached the caller)
     cancelled_frames: int = 0  # ... of the frames, those the engine heard through the echo canceller
@@ -141,7 +135,6 @@ class AudioProcessingStage:
         self._estimate: LinearEchoEstimate | None = None  # our own linear echo estimate (the caller under it)
         self._cancelling = False  # the engine hears the canceller's output
         self._first_sound: int | None = None  # the frame in which the agent was first heard
-        self._far_quiet = 0  # far-end frames running under REST_LEVEL
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
@@ -177,7 +170,6 @@ class AudioProcessingStage:
             return held
         self._plain, self._presence, self._estimate, self._cancelling = None, None, None, False
         self._first_sound, self._leaking, self._talk_left = None, 0, 0
-        self._far_quiet = 0
         self._levels.clear()
         self._recent.clear()
         self._revision, self._pending_onset = np.zeros(0, np.float32), None
@@ -299,10 +291,8 @@ class AudioProcessingStage:
             self.counters.reference_underruns += 1
             chunk = np.pad(chunk, (0, self.frame - len(chunk)))
         assert self._apm is not None
-        self._far_quiet = self._far_quiet + 1 if float(np.max(np.abs(chunk))) < REST_LEVEL else 0
-        if self._far_quiet <= REST_AFTER_FRAMES:
-            self._apm.process_reverse(chunk)
-            self.counters.reference_frames += 1
+        self._apm.process_reverse(chunk)
+        self.counters.reference_frames += 1
         return chunk
 
     def _process_frame(self, samples: np.ndarray) -> np.ndarray:
@@ -310,16 +300,13 @@ class AudioProcessingStage:
         if not self.settings.echo_cancellation:
             return self._apm.process(samples)
         reference = self._feed_reference()
-        # Resting from the frame after the one the engine was switched off the canceller in (a crossfade).
-        resting = self._far_quiet > REST_AFTER_FRAMES
-        if not resting:
-            # AEC3 estimates the echo path's delay itself; what the server knows of it (the transport's
-            # lead) is already in where the reference stands.
-            self._apm.module.set_stream_delay_ms(0)
-            cancelled = self._apm.process(samples)
+        # AEC3 estimates the echo path's delay itself; what the server knows of it (the transport's
+        # lead) is already in where the reference stands.
+        self._apm.module.set_stream_delay_ms(0)
+        cancelled = self._apm.process(samples)
         plain = self._plain.process(samples) if self._plain is not None else np.asarray(samples, np.float32)
         assert self._presence is not None
-        found = self._presence.update(reference, samples) and self._far_quiet < REST_AFTER_FRAMES
+        found = self._presence.update(reference, samples)
         # The estimate learns the echo as the plain path hands it on where that path is linear (a high-pass
         # filter); noise suppression and gain control are not, so there it learns from the microphone and
         # serves only to find where the caller began.
@@ -332,9 +319,6 @@ class AudioProcessingStage:
         plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
         delayed = np.concatenate([self._clear_delay, clear])
         clear, self._clear_delay = delayed[:self.frame], delayed[self.frame:]
-        if resting:
-            cancelled = plain  # not heard: nothing of the agent's to take out
-            self.counters.resting_frames += 1
         if self._first_sound is None and float(np.max(np.abs(reference))) > REFERENCE_AUDIBLE:
             self._first_sound = self.counters.frames
         # Until the echo could have been found (its longest delay and the search's own time after the
