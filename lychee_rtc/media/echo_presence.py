@@ -120,6 +120,8 @@ class SlidingCorrelation:
         self.mic[-n:] = mic
         self._silent = 0 if np.any(reference) else self._silent + 1
         if self._silent > self._span:  # the agent silent a while (digital silence): every product is zero
+            row = self._count % self._span
+            self._spectra[row] = self._spectra[row + self._span] = 0.0  # this block's, and the one's before
             self.reference_energy[:] = 0.0
             self._mic_spectra[self._count % self.blocks] = 0.0  # ... and this block's ever will be
             self._sums[:] = 0.0
