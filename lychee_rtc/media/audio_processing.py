@@ -302,7 +302,7 @@ class AudioProcessingStage:
         reference = self._feed_reference()
         # AEC3 estimates the echo path's delay itself; what the server knows of it (the transport's
         # lead) is already in where the reference stands.
-        self._apm.module.set_stream_delay_ms(0)
+        self._apm.set_stream_delay_zero()
         cancelled = self._apm.process(samples)
         plain = self._plain.process(samples) if self._plain is not None else np.asarray(samples, np.float32)
         assert self._presence is not None
