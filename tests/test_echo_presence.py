@@ -9,8 +9,9 @@ from scipy.signal import lfilter
 
 from lychee_rtc.bench.aec import AGENT_WAVS, CALLER_WAV, FIXTURES, at_level, read_wav
 from lychee_rtc.bench.speakerphone import pink_noise, room_impulse_response
-from lychee_rtc.media.echo_presence import (ANALYSIS_RATE, MAX_LAG_S, REBUILD_HOPS, RELEASE_S, EchoPresence,
-                                            SlidingCorrelation, echo_correlation)
+import lychee_rtc.media.echo_presence as echo_presence
+from lychee_rtc.media.echo_presence import (ANALYSIS_RATE, COARSE_AFTER_S, MAX_LAG_S, REBUILD_HOPS, RELEASE_S,
+                                            EchoPresence, SlidingCorrelation, echo_correlation)
 
 RATE = 16000
 FRAME = RATE // 100  # the stage's 10 ms frames
@@ -119,6 +120,34 @@ def test_an_echo_20_db_over_the_noise_is_found_within_160_ms_and_given_up_after_
     assert presence.counters.detections == 1 and presence.counters.releases == 1
 
 
+def test_an_echo_that_begins_after_seconds_of_a_clear_line_is_found_at_most_60_ms_later_than_on_every_block(
+        monkeypatch):
+    """After COARSE_AFTER_S of agent speech without echo the search looks every 80 ms, not every 20 ms;
+    an echo that begins then (the caller switches to speaker) is still found, at most three blocks later."""
+    seconds = 10.0
+    far = agent(seconds)
+    noise = pink_noise(len(far)) * 0.01
+    coarse_every = echo_presence.COARSE_EVERY
+    for start_s in (5.0, 5.02, 5.04, 5.06, 5.31):
+        on = int(start_s * RATE)
+        echo = echo_of(far, 1.0)
+        echo[:on] = 0.0
+        mic = noise + echo
+        found, updates = {}, {}
+        for every in (coarse_every, 1):
+            monkeypatch.setattr(echo_presence, "COARSE_EVERY", every)
+            presence = EchoPresence(RATE)
+            states = feed(presence, far, mic)
+            found[every] = states.index(True) * FRAME
+            updates[every] = presence.counters.updates
+            assert presence.counters.detections == 1
+        coarse = found[coarse_every] - found[1]
+        assert 0 <= coarse <= 0.06 * RATE
+        assert found[1] - on < 0.7 * RATE
+        # The slower look was in effect: after the first seconds, a quarter of the assessments.
+        assert updates[coarse_every] < updates[1] - (start_s - COARSE_AFTER_S - 0.5) * 50 * 0.7
+
+
 def test_another_voice_over_the_agent_is_not_taken_for_echo():
     seconds = 30.0
     far = agent(seconds)
@@ -127,5 +156,7 @@ def test_another_voice_over_the_agent_is_not_taken_for_echo():
     mic = caller + pink_noise(len(far)) * 0.003
     presence = EchoPresence(RATE)
     assert not any(feed(presence, far, mic))
-    assert presence.counters.updates > 1000
+    # Every 20 ms for the first seconds, then every 80 ms (the line shows no echo).
+    coarse_s = seconds - COARSE_AFTER_S
+    assert presence.counters.updates > 0.8 * 50 * (COARSE_AFTER_S + coarse_s / echo_presence.COARSE_EVERY)
     assert presence.counters.best < 0.5

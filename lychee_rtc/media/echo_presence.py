@@ -36,6 +36,11 @@ WINDOW_HOPS = 25  # the window correlated: 500 ms, a whole number of blocks (HOP
 REBUILD_HOPS = 250  # the running sums are recomputed exactly this often (5 s), so no rounding accumulates
 HOP_S = 0.02  # an assessment every 20 ms of uplink, and the block the correlation is kept up to date by
 RELEASE_CHECK_EVERY = 5  # ... and every 100 ms once echo is found
+# A line that has shown no echo over this much agent speech is assessed only every COARSE_EVERY
+# blocks (80 ms) until a correlation above DETECT comes, then every block again: an echo that begins
+# later (the caller switches to speaker) is declared at most 60 ms later than on the finer hop.
+COARSE_AFTER_S = 3.0
+COARSE_EVERY = 4
 DETECT = 0.55  # correlation that counts as echo ...
 CONFIRM = 3  # ... in this many updates in a row ...
 LAG_TOLERANCE_S = 0.002  # ... at the same lag
@@ -204,6 +209,7 @@ class EchoPresence:
         self._hops = 0
         self._streak: list[int] = []  # lags of the assessments in a row above DETECT
         self._quiet = 0  # samples of agent speech without echo since it was last found
+        self._clear = 0  # samples of agent speech assessed with no correlation above DETECT, while no echo
         self.echo = False
         self.counters = EchoPresenceCounters()
 
@@ -228,9 +234,12 @@ class EchoPresence:
         self._pending = 0
         self._correlation.push(self._block[0], self._block[1])
         self._hops += 1
-        # Once found, a slower look is enough to notice it going.
-        if not self.echo or self._hops % RELEASE_CHECK_EVERY == 0:
-            self._assess(self._hop * (1 if not self.echo else RELEASE_CHECK_EVERY))
+        # Once found, a slower look is enough to notice it going; a line long clear of it, a slower look
+        # for it coming (back to every block once a correlation reaches DETECT).
+        every = RELEASE_CHECK_EVERY if self.echo else \
+            COARSE_EVERY if self._clear >= COARSE_AFTER_S * ANALYSIS_RATE and not self._streak else 1
+        if self._hops % every == 0:
+            self._assess(self._hop * every)
 
     def _decimate(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, np.float64)
@@ -251,6 +260,8 @@ class EchoPresence:
             self.counters.best = max(self.counters.best, found[0])
         if found is None or found[0] < DETECT:
             self._streak.clear()
+            if not self.echo and talking:
+                self._clear += span
             if self.echo and talking:  # the agent speaks and nothing comes back
                 self._quiet += span
                 if self._quiet >= RELEASE_S * ANALYSIS_RATE:
@@ -258,6 +269,7 @@ class EchoPresence:
                     self.counters.releases += 1
             return
         rho, lag = found
+        self._clear = 0
         if self._streak and abs(lag - self._streak[-1]) > LAG_TOLERANCE_S * ANALYSIS_RATE:
             self._streak.clear()
         self._streak.append(lag)
