@@ -81,13 +81,14 @@ DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the call
 # this. Where they began: the frames running up to confirmation in which AEC3's output stood
 # ONSET_OVER_FLOOR over the least it let through in the look-back (its echo alone, the line's noise).
 ONSET_LOOKBACK_FRAMES = 16
+ONSET_OVER_FLOOR = 10 ** (3 / 10)
 # A trimmed reference queue moves the echo against the reference at once, and AEC3 leaks the echo for
 # 0.4-2.3 s while it relearns the path; its double-talk rule fires on the echo alone then. For this
 # long after a trim, double talk also needs the linear estimate (kept in place across the trim) to
 # show the caller.
 MOVED_HOLD_FRAMES = 300
 SHOWN_OF_LINE = 10 ** (-6 / 10)  # ... the residual within 6 dB of the line
-ONSET_OVER_FLOOR = 10 ** (3 / 10)
+ONSET_QUIET_FRAMES = 3  # a caller's first frames under the echo before they show beyond doubt, at most
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -398,10 +399,12 @@ class AudioProcessingStage:
         if evidence and evidence[-1] is not None and evidence[-1][0]:  # the linear estimate sees them under the echo
             first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
                                              [0.0 if e is None else e[1] for e in evidence])
-            # Beyond doubt: the caller is most of the line from the strong run on (this frame is its last);
-            # the evidence before it may be the room's tail, under the line.
-            if self._strong_frames:
-                first = max(first, len(recent) - self._strong_frames + 1)
+            # Beyond doubt: the caller is most of the line from the strong run on (this frame is its last). A
+            # caller's quiet first syllable shows a frame or three before it; a longer run of evidence
+            # before it is the room's tail where the agent's voice dropped, under the line.
+            strong = len(recent) - self._strong_frames + 1
+            if self._strong_frames and strong - first > ONSET_QUIET_FRAMES:
+                first = strong
         else:  # not trusted yet: where AEC3's output rose
             first = caller_onset([level for _, _, level, _ in recent])
         if first == len(recent):
@@ -438,7 +441,6 @@ class AudioProcessingStage:
         elif self._talk_left:
             self._talk_left -= 1
         return self._talk_left > 0
-
 
     def _relearning(self) -> bool:
         """The reference queue was trimmed less than ``MOVED_HOLD_FRAMES`` ago."""
