@@ -88,7 +88,7 @@ ONSET_OVER_FLOOR = 10 ** (3 / 10)
 # show the caller.
 MOVED_HOLD_FRAMES = 300
 SHOWN_OF_LINE = 10 ** (-6 / 10)  # ... the residual within 6 dB of the line
-ONSET_QUIET_FRAMES = 3  # a caller's first frames under the echo before they show beyond doubt, at most
+ONSET_QUIET_FRAMES = 6  # a caller's first frames under the echo before they show beyond doubt, at most
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -400,7 +400,7 @@ class AudioProcessingStage:
             first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
                                              [0.0 if e is None else e[1] for e in evidence])
             # Beyond doubt: the caller is most of the line from the strong run on (this frame is its last). A
-            # caller's quiet first syllable shows a frame or three before it; a longer run of evidence
+            # caller's quiet first syllable shows up to 60 ms before it; a longer run of evidence
             # before it is the room's tail where the agent's voice dropped, under the line.
             strong = len(recent) - self._strong_frames + 1
             if self._strong_frames and strong - first > ONSET_QUIET_FRAMES:
