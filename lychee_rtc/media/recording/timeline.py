@@ -25,6 +25,9 @@ CHANNELS = ("caller", "agent")
 TOLERANCE_S = 0.12
 # A stamp this much earlier than its place slides the segment back to it.
 SLIDE_S = 0.002
+# Chunks that need resampling are held (``ChannelPlacer.settle``) up to this long, so that the
+# resampler is called a few times a second rather than for every 20 ms chunk.
+HOLD_S = 0.2
 
 
 @dataclass
@@ -139,6 +142,13 @@ class ChannelPlacer:
             self._pending.clear()
             self._put(buffer, self._resampler.process(pending))
         self._pending.clear()
+
+    def settle(self, buffer: MixBuffer, upto: int) -> None:
+        """Place what is held if any of it belongs before ``upto`` (the writer is about to reach it)
+        or it is ``HOLD_S`` long."""
+        if self._pending and (self._next is None or self._next < upto
+                              or sum(len(p) for p in self._pending) >= HOLD_S * self._rate):
+            self.flush(buffer)
 
     def shift(self, buffer: MixBuffer, by_s: float) -> None:
         """Stamps move by ``by_s`` from here on (a new compensation): the stream moves with them."""

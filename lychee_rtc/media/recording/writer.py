@@ -166,10 +166,10 @@ class RecordingWriter(threading.Thread):
             self.state.counters.events_written += 1
 
     def _write_until(self, until: float) -> None:
-        for placer in self._placers:
-            placer.flush(self._buffer)
         target = round((until - self.t0) * RATE)
         block = FRAME * BLOCK_FRAMES
+        for placer in self._placers:  # what the next looks may write, with a look to spare
+            placer.settle(self._buffer, target + block + round(2 * POLL_S * RATE))
         n = (target - self._buffer.base) // block * block
         if n > 0:
             self._encode(self._buffer.take(self._buffer.base + n))
