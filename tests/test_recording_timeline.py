@@ -152,3 +152,35 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path):
     # Not started: nothing takes items off the queue, as with a writer stuck on a slow disk.
     accepted = sum(writer.submit(("line", "{}")) for _ in range(80))
     assert accepted == 50 and writer.state.counters.items_dropped == 30
+
+
+def test_the_configured_complexity_is_what_encodes_and_the_bitrate_holds(tmp_path):
+    """``recording.complexity`` reaches libopus (0 and 10 encode the same audio differently), and at
+    either the file keeps to the configured bitrate (constrained VBR)."""
+    import time
+
+    import soundfile
+
+    from lychee_rtc.config import RecordingSettings
+    from lychee_rtc.media.recording.store import RecordingStore
+
+    seconds = 2.0
+    voice = np.sin(2 * np.pi * 220 * np.arange(int(16000 * seconds)) / 16000) * np.linspace(0.1, 0.5, int(16000 * seconds))
+    sizes = {}
+    for complexity in (0, 10):
+        clock = [1000.0]
+        store = RecordingStore(RecordingSettings(directory=tmp_path / str(complexity), complexity=complexity),
+                               clock=lambda: clock[0])
+        recorder = store.open(f"sess_{complexity:04d}", None, {})
+        for k in range(0, len(voice), 320):
+            clock[0] += 0.02
+            recorder.caller_audio(voice[k:k + 320].astype(np.float32), 16000)
+        recorder.close("done")
+        assert store.wait_idle(30)
+        path = store.path(f"sess_{complexity:04d}", "audio.ogg")
+        sizes[complexity] = path.read_bytes()
+        audio, rate = soundfile.read(path, always_2d=True)
+        assert rate == 48000 and abs(len(audio) / rate - seconds) < 0.1
+    assert sizes[0] != sizes[10]
+    for data in sizes.values():
+        assert len(data) * 8 / seconds < 32000 * 1.3, len(data)
