@@ -106,6 +106,37 @@ def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
     stage.close()
 
 
+def test_a_trimmed_reference_is_not_taken_for_the_caller_and_a_barge_in_after_it_still_is():
+    # Mid-call the far end starts to come 200 ms ahead of the caller's playout (the phone plays each
+    # frame at its time, as before): the reference queue stands that far ahead, and half a second later
+    # is trimmed back, which moves the echo 170 ms further behind the reference at once. AEC3 lets the
+    # echo through while it relearns the path, and its double-talk rule alone took that for the caller
+    # (65 frames here); the linear estimate is kept in place across the trim and must agree.
+    agent = agent_speech(10.0)
+    delay = int(0.12 * RATE)
+    echo = np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    ahead, jump_at, barge = int(0.2 * RATE), 5 * RATE, int(7.0 * RATE)
+    mic = echo.copy()
+    mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
+    sent, confirmed_at = 0, None
+    for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):
+        n = 2 * FRAME + (ahead if i == jump_at else 0)
+        stage.far_end(agent[sent:sent + n], RATE)
+        sent += n
+        stage.process(mic[i:i + 2 * FRAME])
+        if i < barge:
+            assert stage.counters.double_talk_frames == 0, f"the echo alone taken for the caller at {i / RATE:.2f} s"
+        elif confirmed_at is None and stage.counters.double_talk_frames:
+            confirmed_at = i
+    assert stage.counters.reference_trimmed_s > 0.1, "the reference queue was trimmed mid-call"
+    assert stage.snapshot()["counters"]["reference_trimmed_s"] == stage.counters.reference_trimmed_s
+    assert confirmed_at is not None and confirmed_at - barge < 0.3 * RATE, "the barge-in after it is still found"
+    stage.close()
+
+
 def test_without_a_reference_the_echo_canceller_leaves_speech_alone():
     # The caller speaks and nothing was played: no far end to cancel, the speech comes through.
     caller = agent_speech(4.0)

@@ -82,6 +82,9 @@ def test_a_room_echo_is_learnt_within_a_second_and_a_caller_is_left_whole():
     assert caller_onset_in_evidence(evidence[:first + 6], levels[:first + 6]) <= first + 1
     # ... and the echo alone in the 300 ms before does not.
     assert not any(evidence[first - 30:first])
+    # Beyond doubt (what confirms double talk without AEC3) within 50 ms of their first frame, never before.
+    certain = [i for i, f in enumerate(frames) if f.certain]
+    assert certain and first <= certain[0] <= first + 5
     # The filter did not learn from the caller: the echo after them is taken out as before.
     end = (barge + len(caller)) // FRAME
     assert end / 100 + 0.3 < 10.0
@@ -105,6 +108,9 @@ def test_a_clipping_loudspeaker_a_level_change_and_a_new_path_are_rarely_taken_f
     # No caller in any of it. The clipped peaks and the volume change show as one now and then ...
     steady = np.r_[evidence[:change // FRAME], evidence[change // FRAME + 150:]]
     assert steady.mean() < 0.03, f"an echo alone showed as the caller in {100 * steady.mean():.1f} % of frames"
+    # ... but never beyond doubt: the clipped peaks stay under the line, and the new path and the level
+    # change leave a residual that is the far end again (without that test, 46 frames after the change).
+    assert not any(f.certain for f in frames)
     # ... a new path as one until it is learnt: the filter does not stay frozen on it (it would be
     # for good: the residual of an unknown path never falls), it learns the path again ...
     assert estimate.counters.retrains >= 1

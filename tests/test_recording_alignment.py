@@ -40,7 +40,7 @@ def test_a_shift_moves_a_stream_without_breaking_it():
     buffer = MixBuffer(RATE * 4, counters)
     placer = ChannelPlacer(1, counters)
     placer.push(buffer, 0.5, np.full(CHUNK, 0.1, np.float32), RATE)
-    placer.shift(0.03)  # stamps are 30 ms later from here on
+    placer.shift(buffer, 0.03)  # stamps are 30 ms later from here on
     placer.push(buffer, 0.55, np.full(CHUNK, 0.2, np.float32), RATE)
     assert counters.reanchors == 0 and counters.slides == 0
     start = round(0.55 * RATE)

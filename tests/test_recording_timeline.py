@@ -79,6 +79,48 @@ def test_other_rates_are_resampled_into_place():
     assert abs(loud[0] - round(0.25 * RATE)) < 100 and abs(loud[-1] - round(1.25 * RATE)) < 200
 
 
+def test_a_run_of_chunks_is_resampled_at_once_into_the_place_each_chunk_would_take():
+    """The writer resamples what came since its last look in one call: the same samples in the same
+    places as chunk by chunk, and a slide in the middle leaves what came before it where it was."""
+    tone = (np.sin(2 * np.pi * 300 * np.arange(16000) / 16000) * 0.5).astype(np.float32)
+
+    def placed(flush_every_chunk: bool, slide_at: int | None = None) -> np.ndarray:
+        buffer, placer, _ = _setup()
+        for k in range(0, 16000, 320):
+            at = 0.25 + k / 16000 - (0.01 if slide_at is not None and k >= slide_at else 0.0)
+            placer.push(buffer, at, tone[k:k + 320], 16000)
+            if flush_every_chunk:
+                placer.flush(buffer)
+        placer.close(buffer)
+        return buffer.data[:, 1].copy()
+
+    assert np.array_equal(placed(False), placed(True))
+    slid, slid_each = placed(False, slide_at=8000), placed(True, slide_at=8000)
+    assert np.array_equal(slid, slid_each)
+    assert not np.array_equal(slid, placed(False))  # the slide did move the second half
+
+
+def test_the_buffer_hands_out_the_timeline_in_order_across_many_turns():
+    """Placed ahead in uneven chunks and taken in uneven blocks, 40 times its capacity: what is handed
+    out is the timeline, sample for sample, with nothing left over from an earlier turn."""
+    rng = np.random.default_rng(7)
+    capacity = 1000
+    timeline = rng.standard_normal((capacity * 40, 2)).astype(np.float32)
+    timeline[::7] = 0.0  # never-placed samples must come out as silence, not an old turn's audio
+    buffer = MixBuffer(capacity, PlacementCounters())
+    placed_to, taken = 0, []
+    while buffer.base < len(timeline):
+        while placed_to < min(buffer.base + capacity, len(timeline)):
+            n = min(int(rng.integers(1, 300)), buffer.base + capacity - placed_to, len(timeline) - placed_to)
+            for channel in (0, 1):
+                chunk = timeline[placed_to:placed_to + n, channel]
+                if np.any(chunk):
+                    buffer.place(channel, placed_to, chunk)
+            placed_to += n
+        taken.append(buffer.take(buffer.base + int(rng.integers(1, capacity))))
+    assert np.array_equal(np.concatenate(taken)[:len(timeline)], timeline)
+
+
 # --- the writer thread: a full disk and a full queue cost the recording, never the caller ---------------
 
 @pytest.mark.allowed_logs(r"failed, the call goes on unrecorded")  # the full disk it fakes
@@ -110,3 +152,35 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path):
     # Not started: nothing takes items off the queue, as with a writer stuck on a slow disk.
     accepted = sum(writer.submit(("line", "{}")) for _ in range(80))
     assert accepted == 50 and writer.state.counters.items_dropped == 30
+
+
+def test_the_configured_complexity_is_what_encodes_and_the_bitrate_holds(tmp_path):
+    """``recording.complexity`` reaches libopus (0 and 10 encode the same audio differently), and at
+    either the file keeps to the configured bitrate (constrained VBR)."""
+    import time
+
+    import soundfile
+
+    from lychee_rtc.config import RecordingSettings
+    from lychee_rtc.media.recording.store import RecordingStore
+
+    seconds = 2.0
+    voice = np.sin(2 * np.pi * 220 * np.arange(int(16000 * seconds)) / 16000) * np.linspace(0.1, 0.5, int(16000 * seconds))
+    sizes = {}
+    for complexity in (0, 10):
+        clock = [1000.0]
+        store = RecordingStore(RecordingSettings(directory=tmp_path / str(complexity), complexity=complexity),
+                               clock=lambda: clock[0])
+        recorder = store.open(f"sess_{complexity:04d}", None, {})
+        for k in range(0, len(voice), 320):
+            clock[0] += 0.02
+            recorder.caller_audio(voice[k:k + 320].astype(np.float32), 16000)
+        recorder.close("done")
+        assert store.wait_idle(30)
+        path = store.path(f"sess_{complexity:04d}", "audio.ogg")
+        sizes[complexity] = path.read_bytes()
+        audio, rate = soundfile.read(path, always_2d=True)
+        assert rate == 48000 and abs(len(audio) / rate - seconds) < 0.1
+    assert sizes[0] != sizes[10]
+    for data in sizes.values():
+        assert len(data) * 8 / seconds < 32000 * 1.3, len(data)

@@ -82,6 +82,13 @@ DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the call
 # ONSET_OVER_FLOOR over the least it let through in the look-back (its echo alone, the line's noise).
 ONSET_LOOKBACK_FRAMES = 16
 ONSET_OVER_FLOOR = 10 ** (3 / 10)
+# A trimmed reference queue moves the echo against the reference at once, and AEC3 leaks the echo for
+# 0.4-2.3 s while it relearns the path; its double-talk rule fires on the echo alone then. For this
+# long after a trim, double talk also needs the linear estimate (kept in place across the trim) to
+# show the caller.
+MOVED_HOLD_FRAMES = 300
+SHOWN_OF_LINE = 10 ** (-6 / 10)  # ... the residual within 6 dB of the line
+ONSET_QUIET_FRAMES = 6  # a caller's first frames under the echo before they show beyond doubt, at most
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -143,6 +150,11 @@ class AudioProcessingStage:
         # residual's level (None: not trusted yet), for where the caller began.
         self._recent: deque[tuple[np.ndarray, np.ndarray, float, tuple[bool, float] | None]] = deque(
             maxlen=ONSET_LOOKBACK_FRAMES)
+        self._moved_at: int | None = None  # the frame in which the reference queue was last trimmed
+        # The echo search's lag when the queue was trimmed, and the lag it stands at since (until found anew).
+        self._lag_moved: tuple[float, float] | None = None
+        self._shown: deque[bool] = deque(maxlen=DOUBLE_TALK_FRAMES)  # the linear estimate showed the caller
+        self._strong_frames = 0  # ... beyond doubt: the run of frames that showed them so
         self._revision = np.zeros(0, np.float32)  # replaces the end of what was handed on before
         self._pending_onset: np.ndarray | None = None  # ... as found in the frame just processed
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
@@ -170,6 +182,8 @@ class AudioProcessingStage:
             return held
         self._plain, self._presence, self._estimate, self._cancelling = None, None, None, False
         self._first_sound, self._leaking, self._talk_left = None, 0, 0
+        self._moved_at, self._lag_moved = None, None
+        self._shown.clear()
         self._levels.clear()
         self._recent.clear()
         self._revision, self._pending_onset = np.zeros(0, np.float32), None
@@ -282,6 +296,7 @@ class AudioProcessingStage:
         if len(self._depths) == self._depths.maxlen and min(self._depths) > allowed:
             # Standing ahead for a whole window: the reference would reach the canceller late.
             drop = min(self._depths) - allowed + self.frame
+            self._moved(self._reference[:drop])
             self._reference = self._reference[drop:]
             self.counters.reference_trimmed_s += drop / self.rate
             self._depths.clear()
@@ -294,6 +309,20 @@ class AudioProcessingStage:
         self._apm.process_reverse(chunk)
         self.counters.reference_frames += 1
         return chunk
+
+    def _moved(self, dropped: np.ndarray) -> None:
+        """``dropped`` reached the caller but will not reach the canceller: the echo now stands that much
+        further behind the reference. The linear estimate is handed it (and stays in place), the echo
+        search's lag is read that much further on until it finds the echo anew, and AEC3's double-talk
+        rule is not taken alone while it relearns (``MOVED_HOLD_FRAMES``)."""
+        if self._estimate is None or self._presence is None:
+            return
+        self._estimate.skip(dropped)
+        self._moved_at = self.counters.frames
+        lag = self._presence.counters.lag_ms
+        if lag is not None:
+            found, now = self._lag_moved if self._lag_moved is not None and self._lag_moved[0] == lag else (lag, lag)
+            self._lag_moved = (found, now + 1000.0 * len(dropped) / self.rate)
 
     def _process_frame(self, samples: np.ndarray) -> np.ndarray:
         self.counters.frames += 1
@@ -325,7 +354,13 @@ class AudioProcessingStage:
         # agent's first sound), the line is not known: the canceller's output, so that an echo the
         # search has not found yet does not reach the engine whole. Then only where it was found.
         settling = self._first_sound is not None and self.counters.frames - self._first_sound < SETTLE_FRAMES
-        talking = (found or settling) and self._caller_over_echo(plain, cancelled)
+        # The caller as the linear estimate shows them: their voice is most of the line (the room's tail
+        # beyond the filter's reach, where the agent's voice drops, shows as evidence too, under the line).
+        self._shown.append(estimate is not None and estimate.caller
+                           and estimate.residual_power > SHOWN_OF_LINE * estimate.line_power)
+        certain = estimate is not None and estimate.certain and linear
+        self._strong_frames = estimate.strong_frames if certain and estimate is not None else 0
+        talking = (found or settling) and self._caller_over_echo(plain, cancelled, certain)
         echo = (found or settling) and not talking
         was, self._cancelling = self._cancelling, echo
         if echo:
@@ -347,6 +382,11 @@ class AudioProcessingStage:
         """Our own linear echo estimate, placed at the lag where the search found the echo."""
         assert self._presence is not None and self._estimate is not None
         lag_ms = self._presence.counters.lag_ms
+        if self._lag_moved is not None:
+            if lag_ms == self._lag_moved[0] and self._relearning():
+                lag_ms = self._lag_moved[1]
+            else:
+                self._lag_moved = None
         if self._presence.echo and lag_ms is not None:
             self._estimate.place(lag_ms / 1000.0)
         return self._estimate.process(reference, samples)
@@ -359,6 +399,12 @@ class AudioProcessingStage:
         if evidence and evidence[-1] is not None and evidence[-1][0]:  # the linear estimate sees them under the echo
             first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
                                              [0.0 if e is None else e[1] for e in evidence])
+            # Beyond doubt: the caller is most of the line from the strong run on (this frame is its last). A
+            # caller's quiet first syllable shows up to 60 ms before it; a longer run of evidence
+            # before it is the room's tail where the agent's voice dropped, under the line.
+            strong = len(recent) - self._strong_frames + 1
+            if self._strong_frames and strong - first > ONSET_QUIET_FRAMES:
+                first = strong
         else:  # not trusted yet: where AEC3's output rose
             first = caller_onset([level for _, _, level, _ in recent])
         if first == len(recent):
@@ -369,7 +415,7 @@ class AudioProcessingStage:
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
-    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray) -> bool:
+    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray, certain: bool = False) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
         comes through it within 10 dB of its input, three frames running, is the caller.
         The engine then hears the line as it is (echo and all, as without processing) rather than
@@ -386,12 +432,19 @@ class AudioProcessingStage:
                               DOUBLE_TALK_UNDER_PEAK * max(recent))
         through = loud and float(np.mean(np.square(cancelled))) > DOUBLE_TALK_GAIN * level_in
         self._leaking = self._leaking + 1 if through else 0
-        if self._leaking >= DOUBLE_TALK_FRAMES:
+        # Right after a trim, AEC3 lets the echo through as it relearns: the linear estimate must agree.
+        aec3 = self._leaking >= DOUBLE_TALK_FRAMES and (not self._relearning() or all(self._shown))
+        # ... or the linear estimate shows them beyond doubt, while AEC3 still takes them down.
+        if aec3 or (certain and not self._relearning()):
             self._talk_left = DOUBLE_TALK_HOLD_FRAMES
             self.counters.double_talk_frames += 1
         elif self._talk_left:
             self._talk_left -= 1
         return self._talk_left > 0
+
+    def _relearning(self) -> bool:
+        """The reference queue was trimmed less than ``MOVED_HOLD_FRAMES`` ago."""
+        return self._moved_at is not None and self.counters.frames - self._moved_at < MOVED_HOLD_FRAMES
 
 
 def caller_onset(levels: list[float]) -> int:

@@ -18,6 +18,11 @@ changes also raises the residual; that is told apart by the filter's own trend: 
 ``RETRAIN_FRAMES`` without the filter adapting is taken as a new path, and the filter adapts again
 (with the evidence withdrawn) until the misadjustment is back down.
 
+The caller beyond doubt (``FrameEstimate.certain``, which confirms double talk without waiting for AEC3):
+a residual far over what the echo alone leaves and most of the line, three frames running, that does not
+correlate with the far end at any lag near the echo's. A moved echo path or a level change is the far end
+again and correlates; a clipping loudspeaker's residual and the room's tail stay under the line.
+
 Pure numpy, one session's state, no I/O. Per 10 ms frame: two FFTs of 2 frames, and a batched pair
 over the partitions for the gradient constraint.
 """
@@ -38,6 +43,18 @@ NOISE_RISE = 1.01  # the noise floor's rise per frame, 4 dB a second (it falls a
 REFERENCE_FLOOR = 1e-7  # far end mean square below which the agent is silent (-70 dBFS)
 CALLER_OVER_EXPECTED = 8.0  # residual over what the echo alone leaves: 9 dB is the caller
 CONVERGED = 0.2  # misadjustment under which the estimate is trusted (7 dB of echo taken out)
+STILL_CONVERGED = 0.4  # ... under which it stays trusted, once it was (4 dB)
+# The caller beyond doubt, from the estimate alone (AEC3 may take them down 20-35 dB for a tenth of a
+# second and more first): residual 15 dB over what the echo alone leaves and within 6 dB of the line
+# (the caller is most of it: not the room's tail nor a clipping loudspeaker, which stay under it),
+# three frames running, and the residual of the last 100 ms unlike the far end at every lag the filter
+# reaches and 100 ms either side (an echo path that moved, or a level change, is the far end again).
+CERTAIN_OVER_EXPECTED = 10 ** (15 / 10)
+CERTAIN_OF_LINE = 10 ** (-6 / 10)
+CERTAIN_FRAMES = 3
+CERTAIN_WINDOW_FRAMES = 10
+CERTAIN_SEARCH_S = 0.1
+ECHO_LIKE = 0.4  # normalised correlation of the residual with the far end (first differenced): see docs/echo.md
 RETRAIN_FRAMES = 50  # evidence this long with the filter frozen: the echo path changed
 ONSET_UNDER_PEAK = 0.01  # 20 dB: see caller_onset_in_evidence
 LAG_MOVE_S = 0.004  # the lag moving this much re-places the filter (and it learns afresh)
@@ -59,6 +76,8 @@ class FrameEstimate:
     line_power: float  # ... of the microphone
     expected_power: float  # ... of what the echo alone would leave (misadjustment, noise)
     converged: bool  # the estimate takes out enough of the echo to be trusted
+    certain: bool = False  # the caller beyond doubt (see CERTAIN_OVER_EXPECTED)
+    strong_frames: int = 0  # frames running, this one included, with the residual that strong
 
     @property
     def caller(self) -> bool:
@@ -74,6 +93,7 @@ class LinearEchoEstimate:
         self.partitions = int(np.ceil((SPAN_S + LEAD_S) * rate / frame))
         self._history = np.zeros(int(max_lag_s * rate) + 2 * frame, np.float64)  # the far end, newest last
         self._delay: int | None = None  # samples of bulk delay ahead of the filter
+        self._residuals = np.zeros(CERTAIN_WINDOW_FRAMES * frame, np.float64)  # the last residual, newest last
         self.counters = EstimateCounters()
         self._reset()
 
@@ -85,6 +105,7 @@ class LinearEchoEstimate:
         self._left = self._taken = 0.0  # smoothed residual (over the noise) and estimate energies
         self._noise: float | None = None
         self._evidence_run = 0
+        self._certain_run = 0
         self._retraining = False
         self._trusted = False  # converged once since placed
 
@@ -101,6 +122,20 @@ class LinearEchoEstimate:
         self._delay = delay
         self.counters.placements += 1
         self._reset()
+
+    def skip(self, far: np.ndarray) -> None:
+        """Far end that reached the caller but not the canceller (a trimmed reference queue): it joins the
+        history and the filter's delay grows by as much, so the echo path it learnt stays in place."""
+        k = min(len(far), len(self._history))
+        if k == 0:
+            return
+        self._history[:-k] = self._history[k:]
+        self._history[-k:] = far[len(far) - k:]
+        if self._delay is not None:
+            self._delay += len(far)
+            if self._delay > len(self._history) - 2 * self.frame:  # beyond its reach: placed afresh
+                self._delay = None
+                self._reset()
 
     def process(self, reference: np.ndarray, mic: np.ndarray) -> FrameEstimate | None:
         """One frame of each (``frame`` samples); None until the filter has been placed."""
@@ -126,7 +161,10 @@ class LinearEchoEstimate:
         self._noise = residual_power if self._noise is None else min(self._noise * NOISE_RISE, residual_power)
         noise = self._noise if self._noise is not None else 0.0
         expected = self._misadjustment * estimate_power + noise
-        converged = self._misadjustment < CONVERGED and estimate_power > noise
+        # Once trusted, it stays trusted while it takes out 4 dB: the misadjustment wanders above the
+        # mark as the agent's voice moves on in its first second, and it is calibrated by it anyway.
+        mark = STILL_CONVERGED if self._trusted and not self._retraining else CONVERGED
+        converged = self._misadjustment < mark and estimate_power > noise
         self._trusted = self._trusted or converged
         caller = converged and residual_power > CALLER_OVER_EXPECTED * expected
         if caller and not self._retraining:
@@ -158,8 +196,42 @@ class LinearEchoEstimate:
             self._left = a * self._left + (1 - a) * max(residual_power - noise, 0.0)
             self._taken = a * self._taken + (1 - a) * estimate_power
             self._misadjustment = min(self._left / max(self._taken, 1e-12), 1.0)
-        return FrameEstimate(e.astype(np.float32), residual_power, float(np.dot(d, d)) / n, expected,
-                             converged and not self._retraining)
+        line_power = float(np.dot(d, d)) / n
+        self._residuals[:-n] = self._residuals[n:]
+        self._residuals[-n:] = e
+        strong = (converged and not self._retraining and residual_power > CERTAIN_OVER_EXPECTED * expected
+                  and residual_power > CERTAIN_OF_LINE * line_power)
+        self._certain_run = self._certain_run + 1 if strong else 0
+        certain = self._certain_run >= CERTAIN_FRAMES and self.echo_likeness() < ECHO_LIKE
+        return FrameEstimate(e.astype(np.float32), residual_power, line_power, expected,
+                             converged and not self._retraining, certain, self._certain_run)
+
+    def echo_likeness(self) -> float:
+        """The highest normalised correlation of the residual's run of strong frames (at least
+        ``CERTAIN_FRAMES``, at most ``CERTAIN_WINDOW_FRAMES``) with the far end, at every lag from
+        ``CERTAIN_SEARCH_S`` ahead of the filter's reach to as far behind it."""
+        if self._delay is None:
+            return 1.0
+        # Only the run of strong frames (up to the window): the echo's leftovers before it would dilute it.
+        w = min(max(self._certain_run, CERTAIN_FRAMES), CERTAIN_WINDOW_FRAMES) * self.frame
+        residuals = self._residuals[len(self._residuals) - w:]
+        search = int(CERTAIN_SEARCH_S * self.rate)
+        nearest = max(self._delay - search, 0)
+        farthest = min(self._delay + self.partitions * self.frame + search, len(self._history) - w - 1)
+        if farthest <= nearest:
+            return 1.0
+        # far[j] lines up with the residual's first sample at lag ``farthest - j``.
+        # First differenced, as the echo search does: the voice's strong low harmonics would otherwise
+        # correlate any two voices at some lag.
+        far = np.diff(self._history[len(self._history) - w - farthest - 1:len(self._history) - nearest])
+        residual = np.diff(residuals, prepend=residuals[0])
+        size = 1 << int(np.ceil(np.log2(len(far) + w)))
+        c = np.fft.irfft(np.fft.rfft(far, size) * np.conj(np.fft.rfft(residual, size)), size)[:len(far) - w + 1]
+        cumulative = np.concatenate([[0.0], np.cumsum(np.square(far))])
+        energy = cumulative[w:] - cumulative[:-w]
+        own = float(np.dot(residual, residual))
+        rho = np.abs(c) / np.sqrt(np.maximum(energy, 1e-12) * max(own, 1e-12))
+        return float(np.max(rho))
 
 
 def caller_onset_in_evidence(evidence: list[bool], residual: list[float]) -> int:

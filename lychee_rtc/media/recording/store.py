@@ -82,7 +82,7 @@ class RecordingStore:
                 "audio": AUDIO_FILE, "events": EVENTS_FILE, "channels": ["caller", "agent"], "rate": 48000,
                 **header}
         writer = RecordingWriter(folder / AUDIO_FILE, folder / EVENTS_FILE, t0, self.settings.bitrate,
-                                 self.settings.queue_items, self.clock,
+                                 self.settings.queue_items, self.clock, complexity=self.settings.complexity,
                                  on_done=lambda state: self._finished(session_id, state),
                                  prepare=lambda: self._create(folder, meta))
         recorder = CallRecorder(session_id, writer, self.clock, wall)

@@ -64,12 +64,13 @@ class RecordingWriter(threading.Thread):
     def __init__(self, audio_path: Path, events_path: Path, t0: float, bitrate: int, max_queue: int,
                  clock: Callable[[], float] = time.monotonic,
                  on_done: Callable[[WriterState], None] | None = None,
-                 prepare: Callable[[], None] | None = None) -> None:
+                 prepare: Callable[[], None] | None = None, complexity: int = 5) -> None:
         super().__init__(name=f"recording-{audio_path.parent.name}", daemon=True)
         self.audio_path = audio_path
         self.events_path = events_path
         self.t0 = t0
         self.bitrate = bitrate
+        self.complexity = complexity
         self.clock = clock
         self.state = WriterState()
         self.queue: queue.Queue[tuple] = queue.Queue(max_queue)
@@ -140,7 +141,11 @@ class RecordingWriter(threading.Thread):
         # flush_packets hands every finished page to the kernel at once: a SIGKILL loses nothing written.
         self._container = av.open(self._audio_file, "w", format="ogg",
                                   container_options={"page_duration": str(int(PAGE_S * 1e6)), "flush_packets": "1"})
-        self._stream = self._container.add_stream("libopus", rate=RATE, layout="stereo")
+        # Below complexity 7 libopus leaves out the analysis its free VBR steers by and overshoots the
+        # bitrate by half; constrained VBR keeps it (and the recording's size) where it is set.
+        self._stream = self._container.add_stream(
+            "libopus", rate=RATE, layout="stereo",
+            options={"compression_level": str(self.complexity), "vbr": "constrained"})
         self._stream.bit_rate = self.bitrate
 
     def _handle(self, item: tuple) -> None:
@@ -150,7 +155,7 @@ class RecordingWriter(threading.Thread):
             self._placers[channel].push(self._buffer, at - self.t0, samples, rate)
         elif kind == "shift":
             _, channel, by = item
-            self._placers[channel].shift(by)
+            self._placers[channel].shift(self._buffer, by)
         elif kind == "cut":
             _, channel, at = item
             self._placers[channel].cut(self._buffer, at - self.t0)
@@ -163,6 +168,8 @@ class RecordingWriter(threading.Thread):
     def _write_until(self, until: float) -> None:
         target = round((until - self.t0) * RATE)
         block = FRAME * BLOCK_FRAMES
+        for placer in self._placers:  # what the next looks may write, with a look to spare
+            placer.settle(self._buffer, target + block + round(2 * POLL_S * RATE))
         n = (target - self._buffer.base) // block * block
         if n > 0:
             self._encode(self._buffer.take(self._buffer.base + n))
