@@ -324,3 +324,33 @@ async def test_without_the_aec_extra_calls_run_unprocessed_and_asking_for_it_is_
         finally:
             await events.close()
             await phone.close()
+
+
+def test_prepared_module_calls_give_the_bindings_own_output_sample_for_sample():
+    """``ApmFrames`` sends each request serialized once (``PreparedCall``); the same module fed through
+    the binding's own methods, a fresh frame per call, gives the same samples."""
+    from livekit.rtc import AudioFrame, AudioProcessingModule
+
+    from lychee_rtc.media.apm_frames import ApmFrames, PreparedCall
+
+    far = agent_speech(3.0)
+    mic = np.convolve(far, room_impulse_response(RATE))[:len(far)] * 0.5 + np.float32(0.001) * np.sin(
+        np.arange(len(far)) * 0.3)
+    settings = dict(echo_cancellation=True, high_pass_filter=True)
+    prepared = ApmFrames(AudioProcessingModule(**settings), AudioFrame, RATE, FRAME)
+    assert isinstance(prepared._process_stream, PreparedCall)  # not the fallback to the binding's methods
+    plain = AudioProcessingModule(**settings)
+
+    def pcm(x: np.ndarray) -> bytearray:
+        return bytearray((np.clip(x.astype(np.float32), -1.0, 1.0) * np.float32(32767.0)).astype(np.int16).tobytes())
+
+    for i in range(0, len(far), FRAME):
+        prepared.process_reverse(far[i:i + FRAME])
+        prepared.set_stream_delay_zero()
+        ours = prepared.process(mic[i:i + FRAME])
+        plain.process_reverse_stream(AudioFrame(pcm(far[i:i + FRAME]), RATE, 1, FRAME))
+        plain.set_stream_delay_ms(0)
+        frame = AudioFrame(pcm(mic[i:i + FRAME]), RATE, 1, FRAME)
+        plain.process_stream(frame)
+        theirs = np.frombuffer(frame.data, np.int16).astype(np.float32) / 32768.0
+        assert np.array_equal(ours, theirs), f"frame {i // FRAME}"
