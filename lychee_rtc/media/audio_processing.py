@@ -344,10 +344,8 @@ class AudioProcessingStage:
         # Where the caller talks over the echo, the engine hears the line less the linear estimate where
         # that is trusted (the caller whole, the echo 10-20 dB down), else the line as it is.
         clear = estimate.residual if linear and estimate is not None and estimate.converged else plain
-        delayed = np.concatenate([self._plain_delay, plain])
-        plain, self._plain_delay = delayed[:self.frame], delayed[self.frame:]
-        delayed = np.concatenate([self._clear_delay, clear])
-        clear, self._clear_delay = delayed[:self.frame], delayed[self.frame:]
+        plain, self._plain_delay = _through(self._plain_delay, plain)
+        clear, self._clear_delay = _through(self._clear_delay, clear)
         if self._first_sound is None and float(np.max(np.abs(reference))) > REFERENCE_AUDIBLE:
             self._first_sound = self.counters.frames
         # Until the echo could have been found (its longest delay and the search's own time after the
@@ -360,7 +358,8 @@ class AudioProcessingStage:
                            and estimate.residual_power > SHOWN_OF_LINE * estimate.line_power)
         certain = estimate is not None and estimate.certain and linear
         self._strong_frames = estimate.strong_frames if certain and estimate is not None else 0
-        talking = (found or settling) and self._caller_over_echo(plain, cancelled, certain)
+        cancelled_power = float(np.mean(np.square(cancelled)))
+        talking = (found or settling) and self._caller_over_echo(plain, cancelled_power, certain)
         echo = (found or settling) and not talking
         was, self._cancelling = self._cancelling, echo
         if echo:
@@ -375,7 +374,7 @@ class AudioProcessingStage:
             line = clear if talking else plain
             out = (cancelled * ramp + line * (1 - ramp)) if echo else (line * ramp + cancelled * (1 - ramp))
         evidence = (estimate.caller, estimate.residual_power) if estimate is not None and estimate.converged else None
-        self._recent.append((clear, out, float(np.mean(np.square(cancelled))), evidence))
+        self._recent.append((clear, out, cancelled_power, evidence))
         return out
 
     def _linear_estimate(self, reference: np.ndarray, samples: np.ndarray) -> FrameEstimate | None:
@@ -415,7 +414,7 @@ class AudioProcessingStage:
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
-    def _caller_over_echo(self, plain: np.ndarray, cancelled: np.ndarray, certain: bool = False) -> bool:
+    def _caller_over_echo(self, plain: np.ndarray, cancelled_power: float, certain: bool = False) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
         comes through it within 10 dB of its input, three frames running, is the caller.
         The engine then hears the line as it is (echo and all, as without processing) rather than
@@ -430,7 +429,7 @@ class AudioProcessingStage:
         recent = list(self._levels)[-NOISE_WINDOW_FRAMES // 2:]
         loud = level_in > max(DOUBLE_TALK_FLOOR, DOUBLE_TALK_OVER_NOISE * min(self._levels),
                               DOUBLE_TALK_UNDER_PEAK * max(recent))
-        through = loud and float(np.mean(np.square(cancelled))) > DOUBLE_TALK_GAIN * level_in
+        through = loud and cancelled_power > DOUBLE_TALK_GAIN * level_in
         self._leaking = self._leaking + 1 if through else 0
         # Right after a trim, AEC3 lets the echo through as it relearns: the linear estimate must agree.
         aec3 = self._leaking >= DOUBLE_TALK_FRAMES and (not self._relearning() or all(self._shown))
@@ -445,6 +444,12 @@ class AudioProcessingStage:
     def _relearning(self) -> bool:
         """The reference queue was trimmed less than ``MOVED_HOLD_FRAMES`` ago."""
         return self._moved_at is not None and self.counters.frames - self._moved_at < MOVED_HOLD_FRAMES
+
+
+def _through(line: np.ndarray, frame: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``frame`` into a delay ``line``: the frame that comes out, and the line after it."""
+    delayed = np.concatenate([line, frame])
+    return delayed[:len(frame)], delayed[len(frame):]
 
 
 def caller_onset(levels: list[float]) -> int:

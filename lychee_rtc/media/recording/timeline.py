@@ -138,9 +138,7 @@ class ChannelPlacer:
         """Resample and place what ``push`` held: a run of continuous chunks, in one call to the
         resampler (each call costs about as much as resampling a whole 20 ms chunk)."""
         if self._pending and self._resampler is not None:
-            pending = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
-            self._pending.clear()
-            self._put(buffer, self._resampler.process(pending))
+            self._put(buffer, self._resampler.process(np.concatenate(self._pending)))
         self._pending.clear()
 
     def settle(self, buffer: MixBuffer, upto: int) -> None:
