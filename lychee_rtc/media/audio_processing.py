@@ -373,7 +373,7 @@ class AudioProcessingStage:
             ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
             line = clear if talking else plain
             out = (cancelled * ramp + line * (1 - ramp)) if echo else (line * ramp + cancelled * (1 - ramp))
-        evidence = (estimate.caller, estimate.residual_power) if estimate is not None and estimate.converged else None
+        evidence = estimate.evidence if estimate is not None else None
         self._recent.append((clear, out, cancelled_power, evidence))
         return out
 

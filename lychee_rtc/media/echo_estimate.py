@@ -58,6 +58,13 @@ ECHO_LIKE = 0.4  # normalised correlation of the residual with the far end (firs
 RETRAIN_FRAMES = 50  # evidence this long with the filter frozen: the echo path changed
 ONSET_UNDER_PEAK = 0.01  # 20 dB: see caller_onset_in_evidence
 LAG_MOVE_S = 0.004  # the lag moving this much re-places the filter (and it learns afresh)
+# Until the filter is trusted (its first half second or so), the echo's level is known if not its shape:
+# the line over the loudest of the far end in the history (0.5 s), as high as it has stood since the
+# filter was placed, is the echo's ceiling. A line 10 dB over it (three frames running, unlike the far end)
+# is the caller beyond doubt; 3 dB over it is the caller in evidence (where they began), and not learnt from.
+CEILING_LEARNT_FRAMES = 20  # frames of the far end since placed before the ceiling is known
+OVER_CEILING = 10.0
+ABOVE_CEILING = 2.0
 
 
 @dataclass
@@ -78,11 +85,20 @@ class FrameEstimate:
     converged: bool  # the estimate takes out enough of the echo to be trusted
     certain: bool = False  # the caller beyond doubt (see CERTAIN_OVER_EXPECTED)
     strong_frames: int = 0  # frames running, this one included, with the residual that strong
+    above_ceiling: bool = False  # not trusted yet, the line over what the echo alone has reached (the caller)
 
     @property
     def caller(self) -> bool:
         """The caller is in evidence in this frame (only meaningful where ``converged``)."""
         return self.converged and self.residual_power > CALLER_OVER_EXPECTED * self.expected_power
+
+    @property
+    def evidence(self) -> tuple[bool, float] | None:
+        """For where the caller began: whether this frame shows them and at what level; None where it
+        cannot say (not trusted yet, and the line within what the echo alone reached)."""
+        if self.converged:
+            return self.caller, self.residual_power
+        return (True, self.line_power) if self.above_ceiling else None
 
 
 class LinearEchoEstimate:
@@ -108,6 +124,8 @@ class LinearEchoEstimate:
         self._certain_run = 0
         self._retraining = False
         self._trusted = False  # converged once since placed
+        self._ceiling = 0.0  # the line over the far end's loudest, as high as the echo alone took it
+        self._ceiling_frames = 0  # frames of the far end it was learnt from
 
     @property
     def delay_s(self) -> float | None:
@@ -176,7 +194,9 @@ class LinearEchoEstimate:
             self._evidence_run = 0
         if self._retraining and self._misadjustment < CONVERGED / 2:
             self._retraining = False
-        adapt = far_power >= REFERENCE_FLOOR and (not caller or self._retraining)
+        line_power = float(np.dot(d, d)) / n
+        above, over = self._against_ceiling(line_power, far_power)
+        adapt = far_power >= REFERENCE_FLOOR and (not caller or self._retraining) and not above
         if caller and not self._retraining:
             self.counters.caller_frames += 1
         if adapt:
@@ -196,15 +216,33 @@ class LinearEchoEstimate:
             self._left = a * self._left + (1 - a) * max(residual_power - noise, 0.0)
             self._taken = a * self._taken + (1 - a) * estimate_power
             self._misadjustment = min(self._left / max(self._taken, 1e-12), 1.0)
-        line_power = float(np.dot(d, d)) / n
         self._residuals[:-n] = self._residuals[n:]
         self._residuals[-n:] = e
-        strong = (converged and not self._retraining and residual_power > CERTAIN_OVER_EXPECTED * expected
-                  and residual_power > CERTAIN_OF_LINE * line_power)
+        strong = over or (converged and not self._retraining and residual_power > CERTAIN_OVER_EXPECTED * expected
+                          and residual_power > CERTAIN_OF_LINE * line_power)
         self._certain_run = self._certain_run + 1 if strong else 0
         certain = self._certain_run >= CERTAIN_FRAMES and self.echo_likeness() < ECHO_LIKE
         return FrameEstimate(e.astype(np.float32), residual_power, line_power, expected,
-                             converged and not self._retraining, certain, self._certain_run)
+                             converged and not self._retraining, certain, self._certain_run, above)
+
+    def _against_ceiling(self, line_power: float, far_power: float) -> tuple[bool, bool]:
+        """Not trusted yet: whether the line stands ``ABOVE_CEILING`` and ``OVER_CEILING`` over the echo's
+        ceiling (both False until it is known, and once the filter is trusted). Frames under the first
+        raise the ceiling to theirs (the echo alone); a caller's do not."""
+        if self._trusted:
+            return False, False
+        n = self.frame
+        history = self._history[len(self._history) % n:]
+        loudest = float(np.max(np.mean(np.square(history.reshape(-1, n)), axis=1)))
+        if loudest < REFERENCE_FLOOR:
+            return False, False
+        ratio = line_power / loudest
+        known = self._ceiling_frames >= CEILING_LEARNT_FRAMES
+        above = known and ratio > ABOVE_CEILING * self._ceiling
+        if not above:
+            self._ceiling = max(self._ceiling, ratio)
+            self._ceiling_frames += far_power >= REFERENCE_FLOOR
+        return above, known and ratio > OVER_CEILING * self._ceiling
 
     def echo_likeness(self) -> float:
         """The highest normalised correlation of the residual's run of strong frames (at least
