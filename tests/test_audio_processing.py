@@ -17,7 +17,7 @@ from test_telephony import phone_server
 
 from lychee_rtc.bench.aec import CALLER_WAV, FIXTURES, at_level, read_wav
 from lychee_rtc.bench.client import RtcClient
-from lychee_rtc.bench.speakerphone import rms, room_impulse_response
+from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.audio_processing import (MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage,
                                               caller_onset)
@@ -103,6 +103,35 @@ def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
     said = mic - echo  # the caller
     level = 10 * np.log10(np.mean(heard[span] ** 2) / np.mean(said[span.start - lag:span.stop - lag] ** 2))
     assert abs(level) < 1.5, f"the onset came {level:.1f} dB off the caller's level"
+    stage.close()
+
+
+def test_a_caller_far_over_the_echo_in_the_agents_first_words_is_found_at_once_from_where_they_began():
+    # The agent's first words on a speakerphone whose echo is 20 dB under the caller, the room's noise 5 dB
+    # under the echo (the -20 dB speakerphone of bench bargein). 0.8 s in, the echo search has found the
+    # echo but the linear estimate is not trusted yet (the echo barely over the noise), and AEC3, in its
+    # first second, takes the caller down 20-35 dB for 150 ms: double talk came 180 ms after the caller
+    # began and was handed on from 110 ms in. A line that far over anything the echo reached is the caller.
+    start, barge = RATE, int(1.8 * RATE)
+    agent = np.concatenate([np.zeros(start, np.float32), agent_speech(3.0)])
+    delay = int(0.12 * RATE)
+    echo = 0.1 * np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    mic = echo + pink_noise(len(agent)) * 0.1 * 10 ** (-25 / 20)
+    mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
+    revised_at, first = None, 0
+    for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):
+        stage.far_end(agent[i:i + 2 * FRAME], RATE)
+        stage.process(mic[i:i + 2 * FRAME])
+        revision = stage.take_revision()
+        if i < barge:
+            assert stage.counters.double_talk_frames == 0, f"the echo alone taken for the caller at {i / RATE:.2f} s"
+        elif len(revision) and revised_at is None:
+            revised_at, first = i + 2 * FRAME, i - len(revision)
+    assert revised_at is not None and revised_at - barge <= 0.1 * RATE, "double talk found within 100 ms"
+    assert barge <= first <= barge + 2 * FRAME, "handed on from the caller's first frame"
     stage.close()
 
 

@@ -119,6 +119,26 @@ def test_a_clipping_loudspeaker_a_level_change_and_a_new_path_are_rarely_taken_f
     assert erle_db(frames, mic, 13.0, 16.0) > 6  # ... as far as the clipping lets a linear estimate
 
 
+def test_until_it_is_trusted_a_louder_echo_is_not_the_caller_and_the_filter_goes_on_learning():
+    # The echo 5 dB over the room's noise (the filter is not trusted for its first second or so), placed
+    # as the echo search places it (half a second of the far end behind it), and 0.3 s later the caller
+    # turns the loudspeaker up 12 dB: the line stands far over what the echo reached until then.
+    far = agent(8.0)
+    echo = through(few_taps(), far) * 0.1
+    echo[int(0.8 * RATE):] *= 10 ** (12 / 20)
+    mic = echo + pink_noise(len(far)) * 0.1 * 10 ** (-25 / 20)
+    estimate = LinearEchoEstimate(RATE, FRAME)
+    placed = int(0.5 * RATE)
+    run(estimate, far[:placed], mic[:placed])
+    estimate.place(LAG_S)
+    frames = run(estimate, far[placed:], mic[placed:])
+    assert any(f.above_ceiling for f in frames), "the louder echo stood over the ceiling at first"
+    assert not any(f.certain for f in frames), "... but it is the far end again, never the caller beyond doubt"
+    # It is taken as the echo's new level within a second, and the filter learns it.
+    assert not any(f.above_ceiling for f in frames[30 + 100:])
+    assert any(f.converged for f in frames[-100:])
+
+
 def test_the_onset_is_the_start_of_the_last_run_of_evidence_at_the_callers_level():
     loud, quiet = 1e-2, 1e-3
     assert caller_onset_in_evidence([False, True, False, True, True], [loud] * 5) == 3

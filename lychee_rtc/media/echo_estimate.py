@@ -126,6 +126,7 @@ class LinearEchoEstimate:
         self._trusted = False  # converged once since placed
         self._ceiling = 0.0  # the line over the far end's loudest, as high as the echo alone took it
         self._ceiling_frames = 0  # frames of the far end it was learnt from
+        self._above_run = 0  # frames running over it
 
     @property
     def delay_s(self) -> float | None:
@@ -239,6 +240,9 @@ class LinearEchoEstimate:
         ratio = line_power / loudest
         known = self._ceiling_frames >= CEILING_LEARNT_FRAMES
         above = known and ratio > ABOVE_CEILING * self._ceiling
+        self._above_run = self._above_run + 1 if above else 0
+        if self._above_run >= RETRAIN_FRAMES:  # too long for a barge-in: the echo is louder (the volume went up)
+            above, self._above_run = False, 0
         if not above:
             self._ceiling = max(self._ceiling, ratio)
             self._ceiling_frames += far_power >= REFERENCE_FLOOR
