@@ -19,6 +19,7 @@ from pathlib import Path
 import av
 import numpy as np
 from av.filter import Graph
+from av.filter.context import FilterContext
 
 # Filter-graph worker threads per resampler (FFmpeg's default, 0, means one per CPU).
 RESAMPLER_THREADS = 1
@@ -33,6 +34,7 @@ class FrameResampler:
         self.rate = rate
         self.frame_size = frame_size  # samples per output frame (0: as they come)
         self._graph: Graph | None = None
+        self._sink: FilterContext | None = None
         self._source: tuple | None = None  # (format, layout, rate) the graph was built for
         self._closed = False
 
@@ -44,7 +46,7 @@ class FrameResampler:
             if self._graph is None:
                 return []
             self._graph.push(None)
-            return self._pull()
+            return self._drain()
         source = (frame.format.name, frame.layout.name, frame.sample_rate)
         if self._graph is None:
             self._graph = self._build(frame)
@@ -52,10 +54,13 @@ class FrameResampler:
         elif source != self._source:
             raise ValueError(f"frame {source} does not match the resampler's input {self._source}")
         self._graph.push(frame)
-        return self._pull()
+        if self.frame_size > 0:  # output frames of a set size: a frame in may complete several, or none
+            return self._drain()
+        return self._pull_one()
 
     def close(self) -> None:
         self._graph = None
+        self._sink = None
         self._closed = True
 
     def _build(self, frame: av.AudioFrame) -> Graph:
@@ -70,16 +75,32 @@ class FrameResampler:
         source.link_to(convert)
         convert.link_to(sink)
         graph.configure()
+        self._sink = sink
         if self.frame_size > 0:
             graph.set_audio_frame_size(self.frame_size)
         return graph
 
-    def _pull(self) -> list[av.AudioFrame]:
-        assert self._graph is not None
+    def _pull_one(self) -> list[av.AudioFrame]:
+        """The frame converted from the one just pushed, if the filter gave one (a resampler's first
+        few input samples may fill only its delay line). One frame in makes at most one frame out, so
+        this does not try again: a second pull would only end in FFmpeg's EAGAIN, which PyAV raises as
+        an exception, about a third of the cost of converting a 20 ms frame."""
+        assert self._sink is not None
+        try:
+            return [self._sink.pull()]
+        except EOFError:
+            return []
+        except av.FFmpegError as exc:
+            if exc.errno != EAGAIN:
+                raise
+            return []
+
+    def _drain(self) -> list[av.AudioFrame]:
+        assert self._sink is not None
         out: list[av.AudioFrame] = []
         while True:
             try:
-                out.append(self._graph.pull())
+                out.append(self._sink.pull())
             except EOFError:
                 return out
             except av.FFmpegError as exc:
@@ -127,6 +148,8 @@ def frames_to_array(frames: list[av.AudioFrame]) -> np.ndarray:
     """Mono float frames (as a ``flt``/``mono`` resampler yields them) as one float32 array."""
     if not frames:
         return np.zeros(0, dtype=np.float32)
+    if len(frames) == 1:  # the usual case: one frame in, one out
+        return frames[0].to_ndarray().reshape(-1).astype(np.float32, copy=False)
     return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.float32, copy=False)
 
 
