@@ -54,9 +54,11 @@ class FrameResampler:
         elif source != self._source:
             raise ValueError(f"frame {source} does not match the resampler's input {self._source}")
         self._graph.push(frame)
-        if self.frame_size > 0:  # output frames of a set size: a frame in may complete several, or none
-            return self._drain()
-        return self._pull_one()
+        # One frame in makes at most one frame out (none while a resampler's first samples fill its delay
+        # line), so one pull: a second would only end in FFmpeg's EAGAIN, which PyAV raises as an
+        # exception, about a third of the cost of converting a 20 ms frame. Output frames of a set size
+        # are another matter: a frame in may complete several.
+        return self._drain(at_most=None if self.frame_size > 0 else 1)
 
     def close(self) -> None:
         self._graph = None
@@ -80,33 +82,20 @@ class FrameResampler:
             graph.set_audio_frame_size(self.frame_size)
         return graph
 
-    def _pull_one(self) -> list[av.AudioFrame]:
-        """The frame converted from the one just pushed, if the filter gave one (a resampler's first
-        few input samples may fill only its delay line). One frame in makes at most one frame out, so
-        this does not try again: a second pull would only end in FFmpeg's EAGAIN, which PyAV raises as
-        an exception, about a third of the cost of converting a 20 ms frame."""
-        assert self._sink is not None
-        try:
-            return [self._sink.pull()]
-        except EOFError:
-            return []
-        except av.FFmpegError as exc:
-            if exc.errno != EAGAIN:
-                raise
-            return []
-
-    def _drain(self) -> list[av.AudioFrame]:
+    def _drain(self, at_most: int | None = None) -> list[av.AudioFrame]:
+        """What the filter has ready, up to ``at_most`` frames."""
         assert self._sink is not None
         out: list[av.AudioFrame] = []
-        while True:
+        while at_most is None or len(out) < at_most:
             try:
                 out.append(self._sink.pull())
             except EOFError:
-                return out
+                break
             except av.FFmpegError as exc:
                 if exc.errno != EAGAIN:
                     raise
-                return out
+                break
+        return out
 
 
 class PcmResampler:
