@@ -189,7 +189,8 @@ async def test_placed_call_refused(stack, tmp_path, user, answer, status, sip_st
         assert tap.of("session.closed")[0]["reason"] == status and not tap.of("session.created")
         # Nothing is held: every session is free, and the line takes the next call.
         assert app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity and not app[REGISTRY_KEY].calls
-        # The gateway frees the line on its own path, which may finish after the session closed.
+        # The line is freed once Janus has dropped the call's WebRTC leg (a request after the session closed,
+        # so that the next call on the line is not refused): a round trip later.
         await wait_until(lambda: app[GATEWAY_KEY].status()["busy_lines"] == 0, 30, "the line freed")
 
 
@@ -214,7 +215,8 @@ async def test_unanswered_call_times_out_and_frees_everything(stack, tmp_path):
         last = tap.of("call.status")[-1]
         assert last["status"] == "no_answer" and "sip_status" not in last and last["reason"] == final["reason"]
         assert app[REGISTRY_KEY].free == app[REGISTRY_KEY].capacity
-        # The gateway frees the line on its own path, which may finish after the session closed.
+        # The line is freed once Janus has dropped the call's WebRTC leg (a request after the session closed,
+        # so that the next call on the line is not refused): a round trip later.
         await wait_until(lambda: app[GATEWAY_KEY].status()["busy_lines"] == 0, 30, "the line freed")
 
 
