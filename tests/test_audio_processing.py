@@ -20,7 +20,7 @@ from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.audio_processing import (MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage,
-                                              caller_onset)
+                                              caller_onset, residual_onset)
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
 
@@ -65,6 +65,15 @@ def test_the_callers_onset_is_where_the_cancellers_output_rose_over_its_floor():
     assert caller_onset([caller, caller]) == 2  # nothing to stand over: no onset to reach back to
     assert caller_onset([caller, floor]) == 2  # the last frame was not the caller
     assert caller_onset([]) == 0
+
+
+def test_the_callers_onset_may_be_where_the_estimates_residual_rose_over_what_the_echo_leaves():
+    echo, caller = 1.0, 3.0  # the residual over what the linear estimate expects of the echo alone
+    assert residual_onset([echo, caller, echo, caller, caller]) == 3
+    assert residual_onset([caller, 1.5, caller]) == 2  # 2 dB over: the echo alone, as the estimate misses it
+    assert residual_onset([caller, None, caller, caller]) == 2  # not trusted since placed: it does not say
+    assert residual_onset([caller, echo]) == 2  # the last frame was not the caller
+    assert residual_onset([]) == 0
 
 
 def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
