@@ -144,6 +144,37 @@ def test_a_caller_far_over_the_echo_in_the_agents_first_words_is_found_at_once_f
     stage.close()
 
 
+@pytest.mark.parametrize("barge_s", [1.85, 1.9])
+def test_a_caller_near_the_echos_level_in_the_agents_first_words_is_handed_on_from_where_they_began(barge_s):
+    # As above with the echo 10 dB under the caller (the -10 dB speakerphone of bench bargein), 0.85-0.9 s
+    # into the agent's first words: the linear estimate is trusted but young (it takes out 5-6 dB), the
+    # caller's first frames stand only 3-7 dB over what it expects of the echo (under its 9 dB of evidence)
+    # and it loses its trust as it learns from them, so the onset was where AEC3's output rose, 40-50 ms in.
+    # It is where the estimate's residual first stood 3 dB over what it expects.
+    start, barge = RATE, int(barge_s * RATE)
+    agent = np.concatenate([np.zeros(start, np.float32), agent_speech(3.0)])
+    delay = int(0.12 * RATE)
+    echo = 10 ** (-10 / 20) * np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    mic = echo + pink_noise(len(agent)) * 0.1 * 10 ** (-25 / 20)
+    mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
+    revised_at, first = None, 0
+    for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):
+        stage.far_end(agent[i:i + 2 * FRAME], RATE)
+        stage.process(mic[i:i + 2 * FRAME])
+        revision = stage.take_revision()
+        if i < barge:
+            assert stage.counters.double_talk_frames == 0, f"the echo alone taken for the caller at {i / RATE:.2f} s"
+        elif len(revision) and revised_at is None:
+            revised_at, first = i + 2 * FRAME, i - len(revision)
+    assert revised_at is not None and revised_at - barge <= 0.2 * RATE, "double talk found within 200 ms"
+    # Within a frame of their first (the residual's 3 dB may take in one frame of the echo before them).
+    assert barge - FRAME <= first <= barge + 2 * FRAME, f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
+    stage.close()
+
+
 def test_a_trimmed_reference_is_not_taken_for_the_caller_and_a_barge_in_after_it_still_is():
     # Mid-call the far end starts to come 200 ms ahead of the caller's playout (the phone plays each
     # frame at its time, as before): the reference queue stands that far ahead, and half a second later
