@@ -20,7 +20,7 @@ from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.audio_processing import (MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage,
-                                              caller_onset)
+                                              caller_onset, residual_onset)
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
 
@@ -65,6 +65,15 @@ def test_the_callers_onset_is_where_the_cancellers_output_rose_over_its_floor():
     assert caller_onset([caller, caller]) == 2  # nothing to stand over: no onset to reach back to
     assert caller_onset([caller, floor]) == 2  # the last frame was not the caller
     assert caller_onset([]) == 0
+
+
+def test_the_callers_onset_may_be_where_the_estimates_residual_rose_over_what_the_echo_leaves():
+    echo, caller = 1.0, 3.0  # the residual over what the linear estimate expects of the echo alone
+    assert residual_onset([echo, caller, echo, caller, caller]) == 3
+    assert residual_onset([caller, 1.5, caller]) == 2  # 2 dB over: the echo alone, as the estimate misses it
+    assert residual_onset([caller, None, caller, caller]) == 2  # not trusted since placed: it does not say
+    assert residual_onset([caller, echo]) == 2  # the last frame was not the caller
+    assert residual_onset([]) == 0
 
 
 def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
@@ -132,6 +141,37 @@ def test_a_caller_far_over_the_echo_in_the_agents_first_words_is_found_at_once_f
             revised_at, first = i + 2 * FRAME, i - len(revision)
     assert revised_at is not None and revised_at - barge <= 0.1 * RATE, "double talk found within 100 ms"
     assert barge <= first <= barge + 2 * FRAME, "handed on from the caller's first frame"
+    stage.close()
+
+
+@pytest.mark.parametrize("barge_s", [1.85, 1.9])
+def test_a_caller_near_the_echos_level_in_the_agents_first_words_is_handed_on_from_where_they_began(barge_s):
+    # As above with the echo 10 dB under the caller (the -10 dB speakerphone of bench bargein), 0.85-0.9 s
+    # into the agent's first words: the linear estimate is trusted but young (it takes out 5-6 dB), the
+    # caller's first frames stand only 3-7 dB over what it expects of the echo (under its 9 dB of evidence)
+    # and it loses its trust as it learns from them, so the onset was where AEC3's output rose, 40-50 ms in.
+    # It is where the estimate's residual first stood 3 dB over what it expects.
+    start, barge = RATE, int(barge_s * RATE)
+    agent = np.concatenate([np.zeros(start, np.float32), agent_speech(3.0)])
+    delay = int(0.12 * RATE)
+    echo = 10 ** (-10 / 20) * np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    mic = echo + pink_noise(len(agent)) * 0.1 * 10 ** (-25 / 20)
+    mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
+    revised_at, first = None, 0
+    for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):
+        stage.far_end(agent[i:i + 2 * FRAME], RATE)
+        stage.process(mic[i:i + 2 * FRAME])
+        revision = stage.take_revision()
+        if i < barge:
+            assert stage.counters.double_talk_frames == 0, f"the echo alone taken for the caller at {i / RATE:.2f} s"
+        elif len(revision) and revised_at is None:
+            revised_at, first = i + 2 * FRAME, i - len(revision)
+    assert revised_at is not None and revised_at - barge <= 0.2 * RATE, "double talk found within 200 ms"
+    # Within a frame of their first (the residual's 3 dB may take in one frame of the echo before them).
+    assert barge - FRAME <= first <= barge + 2 * FRAME, f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
     stage.close()
 
 

@@ -82,6 +82,11 @@ DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the call
 # ONSET_OVER_FLOOR over the least it let through in the look-back (its echo alone, the line's noise).
 ONSET_LOOKBACK_FRAMES = 16
 ONSET_OVER_FLOOR = 10 ** (3 / 10)
+# ... or, earlier than that, the frames running up to confirmation in which the linear estimate (trusted once
+# since placed) left a residual this far over what it expects of the echo alone: a caller near the echo's
+# level stands only 3-7 dB over it in their first frames while the estimate is young (under the 9 dB of its
+# evidence), and AEC3's output rises 40-100 ms later.
+ONSET_OVER_EXPECTED = 10 ** (3 / 10)
 # A trimmed reference queue moves the echo against the reference at once, and AEC3 leaks the echo for
 # 0.4-2.3 s while it relearns the path; its double-talk rule fires on the echo alone then. For this
 # long after a trim, double talk also needs the linear estimate (kept in place across the trim) to
@@ -146,9 +151,10 @@ class AudioProcessingStage:
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
         # The last frames handed on: the line without the canceller (less the linear estimate where it is
-        # trusted), AEC3's output level, and whether the linear estimate showed the caller and its
-        # residual's level (None: not trusted yet), for where the caller began.
-        self._recent: deque[tuple[np.ndarray, np.ndarray, float, tuple[bool, float] | None]] = deque(
+        # trusted), AEC3's output level, whether the linear estimate showed the caller and its residual's
+        # level (None: not trusted yet), and its residual over what it expects of the echo alone (None: it
+        # was never trusted since placed), for where the caller began.
+        self._recent: deque[tuple[np.ndarray, np.ndarray, float, tuple[bool, float] | None, float | None]] = deque(
             maxlen=ONSET_LOOKBACK_FRAMES)
         self._moved_at: int | None = None  # the frame in which the reference queue was last trimmed
         # The echo search's lag when the queue was trimmed, and the lag it stands at since (until found anew).
@@ -374,7 +380,9 @@ class AudioProcessingStage:
             line = clear if talking else plain
             out = (cancelled * ramp + line * (1 - ramp)) if echo else (line * ramp + cancelled * (1 - ramp))
         evidence = estimate.evidence if estimate is not None else None
-        self._recent.append((clear, out, cancelled_power, evidence))
+        over = estimate.residual_power / max(estimate.expected_power, 1e-12) \
+            if estimate is not None and self._estimate is not None and self._estimate.trusted else None
+        self._recent.append((clear, out, cancelled_power, evidence, over))
         return out
 
     def _linear_estimate(self, reference: np.ndarray, samples: np.ndarray) -> FrameEstimate | None:
@@ -391,10 +399,16 @@ class AudioProcessingStage:
         return self._estimate.process(reference, samples)
 
     def _from_onset(self) -> np.ndarray:
-        """Double talk just confirmed: the frames handed on since the caller began (see
-        ``caller_onset``) as the line was, crossfaded in over the first of them."""
+        """Double talk just confirmed: the frames handed on since the caller began as the line was. Where
+        the linear estimate placed the onset, from the first of them whole: that frame holds the line's
+        8 ms before the caller's first frame (the canceller's lag) and their first 2 ms, and faded in
+        from AEC3's near silence it kept the engine's VAD under its threshold for its first 32 ms over
+        the caller (0.39-0.44, whole 0.55-0.67: docs/benchmarks.md, ``bench bargein``). Where only AEC3's
+        output rose (see ``caller_onset``), crossfaded in over the first of them (whole, a WebRTC
+        barge-in of the bench came 32 ms later)."""
         recent = list(self._recent)
-        evidence = [e for _, _, _, e in recent]
+        evidence = [e for _, _, _, e, _ in recent]
+        seen = True  # the linear estimate placed the onset
         if evidence and evidence[-1] is not None and evidence[-1][0]:  # the linear estimate sees them under the echo
             first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
                                              [0.0 if e is None else e[1] for e in evidence])
@@ -404,13 +418,16 @@ class AudioProcessingStage:
             strong = len(recent) - self._strong_frames + 1
             if self._strong_frames and strong - first > ONSET_QUIET_FRAMES:
                 first = strong
-        else:  # not trusted yet: where AEC3's output rose
-            first = caller_onset([level for _, _, level, _ in recent])
+        else:  # not trusted (yet, or any more): where AEC3's output rose, or the estimate's residual before it
+            first = caller_onset([level for _, _, level, _, _ in recent])
+            risen = residual_onset([over for _, _, _, _, over in recent])
+            seen = risen < first
+            first = min(first, risen)
         if first == len(recent):
             return np.zeros(0, np.float32)
-        ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
-        plain, handed, _, _ = recent[first]
-        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _, _ in recent[first + 1:]]
+        ramp = np.ones(self.frame, np.float32) if seen else np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
+        plain, handed, _, _, _ = recent[first]
+        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _, _, _ in recent[first + 1:]]
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
@@ -462,6 +479,17 @@ def caller_onset(levels: list[float]) -> int:
     above = min(levels) * ONSET_OVER_FLOOR
     first = len(levels)
     while first > 0 and levels[first - 1] > max(above, DOUBLE_TALK_FLOOR * 1e-3):
+        first -= 1
+    return first
+
+
+def residual_onset(over_expected: list[float | None]) -> int:
+    """Where the caller began, given the linear estimate's residual over what it expects of the echo alone in
+    the frames before double talk was confirmed, oldest first (None: it was never trusted since placed): the
+    first of the frames running up to the last in which it stood ``ONSET_OVER_EXPECTED`` over it;
+    ``len(over_expected)`` where the last did not."""
+    first = len(over_expected)
+    while first > 0 and (over := over_expected[first - 1]) is not None and over > ONSET_OVER_EXPECTED:
         first -= 1
     return first
 

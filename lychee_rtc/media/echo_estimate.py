@@ -133,6 +133,12 @@ class LinearEchoEstimate:
         self._above_run = 0  # frames running over it
 
     @property
+    def trusted(self) -> bool:
+        """Converged once since it was placed, and not learning a new path: what it expects of the echo
+        alone is calibrated, even where the misadjustment has since risen over ``STILL_CONVERGED``."""
+        return self._trusted and not self._retraining
+
+    @property
     def delay_s(self) -> float | None:
         return None if self._delay is None else self._delay / self.rate
 
