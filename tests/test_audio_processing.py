@@ -19,8 +19,8 @@ from lychee_rtc.bench.aec import CALLER_WAV, FIXTURES, at_level, read_wav
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
-from lychee_rtc.media.audio_processing import (MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage,
-                                              caller_onset, residual_onset)
+from lychee_rtc.media.audio_processing import MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage
+from lychee_rtc.media.caller_onset import caller_onset, residual_onset
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
 

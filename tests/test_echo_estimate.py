@@ -9,7 +9,8 @@ from scipy.signal import lfilter
 
 from lychee_rtc.bench.aec import AGENT_WAVS, CALLER_WAV, FIXTURES, at_level, read_wav
 from lychee_rtc.bench.speakerphone import pink_noise, room_impulse_response
-from lychee_rtc.media.echo_estimate import CONVERGED, LinearEchoEstimate, caller_onset_in_evidence
+from lychee_rtc.media.caller_onset import caller_onset_in_evidence
+from lychee_rtc.media.echo_estimate import CONVERGED, LinearEchoEstimate
 
 RATE = 16000
 FRAME = RATE // 100

@@ -44,7 +44,8 @@ import numpy as np
 
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.apm_frames import ApmFrames
-from lychee_rtc.media.echo_estimate import FrameEstimate, LinearEchoEstimate, caller_onset_in_evidence
+from lychee_rtc.media.caller_onset import find_onset
+from lychee_rtc.media.echo_estimate import FrameEstimate, LinearEchoEstimate
 from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.session.processing import ProcessingUnavailable
@@ -77,23 +78,15 @@ DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last
 NOISE_WINDOW_FRAMES = 200
 DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the caller was last found
 # Double talk is confirmed frames after the caller began, while AEC3 was still taking them down: at
-# confirmation the engine is handed the line as it was from where the caller began, as far back as
-# this. Where they began: the frames running up to confirmation in which AEC3's output stood
-# ONSET_OVER_FLOOR over the least it let through in the look-back (its echo alone, the line's noise).
+# confirmation the engine is handed the line as it was from where the caller began
+# (``media/caller_onset.py``), as far back as this.
 ONSET_LOOKBACK_FRAMES = 16
-ONSET_OVER_FLOOR = 10 ** (3 / 10)
-# ... or, earlier than that, the frames running up to confirmation in which the linear estimate (trusted once
-# since placed) left a residual this far over what it expects of the echo alone: a caller near the echo's
-# level stands only 3-7 dB over it in their first frames while the estimate is young (under the 9 dB of its
-# evidence), and AEC3's output rises 40-100 ms later.
-ONSET_OVER_EXPECTED = 10 ** (3 / 10)
 # A trimmed reference queue moves the echo against the reference at once, and AEC3 leaks the echo for
 # 0.4-2.3 s while it relearns the path; its double-talk rule fires on the echo alone then. For this
 # long after a trim, double talk also needs the linear estimate (kept in place across the trim) to
 # show the caller.
 MOVED_HOLD_FRAMES = 300
 SHOWN_OF_LINE = 10 ** (-6 / 10)  # ... the residual within 6 dB of the line
-ONSET_QUIET_FRAMES = 6  # a caller's first frames under the echo before they show beyond doubt, at most
 INSTALL_HINT = "install the 'aec' extra (pip install 'lychee-rtc[aec]')"
 
 
@@ -404,28 +397,14 @@ class AudioProcessingStage:
         8 ms before the caller's first frame (the canceller's lag) and their first 2 ms, and faded in
         from AEC3's near silence it kept the engine's VAD under its threshold for its first 32 ms over
         the caller (0.39-0.44, whole 0.55-0.67: docs/benchmarks.md, ``bench bargein``). Where only AEC3's
-        output rose (see ``caller_onset``), crossfaded in over the first of them (whole, a WebRTC
+        output rose (``media/caller_onset.py``), crossfaded in over the first of them (whole, a WebRTC
         barge-in of the bench came 32 ms later)."""
         recent = list(self._recent)
-        evidence = [e for _, _, _, e, _ in recent]
-        seen = True  # the linear estimate placed the onset
-        if evidence and evidence[-1] is not None and evidence[-1][0]:  # the linear estimate sees them under the echo
-            first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
-                                             [0.0 if e is None else e[1] for e in evidence])
-            # Beyond doubt: the caller is most of the line from the strong run on (this frame is its last). A
-            # caller's quiet first syllable shows up to 60 ms before it; a longer run of evidence
-            # before it is the room's tail where the agent's voice dropped, under the line.
-            strong = len(recent) - self._strong_frames + 1
-            if self._strong_frames and strong - first > ONSET_QUIET_FRAMES:
-                first = strong
-        else:  # not trusted (yet, or any more): where AEC3's output rose, or the estimate's residual before it
-            first = caller_onset([level for _, _, level, _, _ in recent])
-            risen = residual_onset([over for _, _, _, _, over in recent])
-            seen = risen < first
-            first = min(first, risen)
+        first, by_estimate = find_onset([e for _, _, _, e, _ in recent], [level for _, _, level, _, _ in recent],
+                                 [over for _, _, _, _, over in recent], self._strong_frames)
         if first == len(recent):
             return np.zeros(0, np.float32)
-        ramp = np.ones(self.frame, np.float32) if seen else np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
+        ramp = np.ones(self.frame, np.float32) if by_estimate else np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
         plain, handed, _, _, _ = recent[first]
         frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _, _, _ in recent[first + 1:]]
         self.counters.onset_frames += len(frames)
@@ -467,31 +446,6 @@ def _through(line: np.ndarray, frame: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """``frame`` into a delay ``line``: the frame that comes out, and the line after it."""
     delayed = np.concatenate([line, frame])
     return delayed[:len(frame)], delayed[len(frame):]
-
-
-def caller_onset(levels: list[float]) -> int:
-    """Where the caller began, given AEC3's output level (mean square) in the frames before double talk
-    was confirmed, oldest first: the first of the frames running up to the last in which the output
-    stood ``ONSET_OVER_FLOOR`` over the least of them (the echo alone and the noise, as AEC3 leaves
-    them); ``len(levels)`` where the last frame did not."""
-    if not levels:
-        return 0
-    above = min(levels) * ONSET_OVER_FLOOR
-    first = len(levels)
-    while first > 0 and levels[first - 1] > max(above, DOUBLE_TALK_FLOOR * 1e-3):
-        first -= 1
-    return first
-
-
-def residual_onset(over_expected: list[float | None]) -> int:
-    """Where the caller began, given the linear estimate's residual over what it expects of the echo alone in
-    the frames before double talk was confirmed, oldest first (None: it was never trusted since placed): the
-    first of the frames running up to the last in which it stood ``ONSET_OVER_EXPECTED`` over it;
-    ``len(over_expected)`` where the last did not."""
-    first = len(over_expected)
-    while first > 0 and (over := over_expected[first - 1]) is not None and over > ONSET_OVER_EXPECTED:
-        first -= 1
-    return first
 
 
 def _module(module: Any, settings: AudioProcessing) -> Any:

@@ -60,7 +60,6 @@ CERTAIN_WINDOW_FRAMES = 10
 CERTAIN_SEARCH_S = 0.1
 ECHO_LIKE = 0.4  # normalised correlation of the residual with the far end (first differenced): see docs/echo.md
 RETRAIN_FRAMES = 50  # evidence this long with the filter frozen: the echo path changed
-ONSET_UNDER_PEAK = 0.01  # 20 dB: see caller_onset_in_evidence
 LAG_MOVE_S = 0.004  # the lag moving this much re-places the filter (and it learns afresh)
 # Until the filter is trusted (its first half second or so), the echo's level is known if not its shape:
 # the line over the loudest of the far end in the history (0.5 s), as high as it has stood since the
@@ -285,18 +284,3 @@ class LinearEchoEstimate:
         rho = np.abs(c) / np.sqrt(np.maximum(energy, 1e-12) * max(own, 1e-12))
         return float(np.max(rho))
 
-
-def caller_onset_in_evidence(evidence: list[bool], residual: list[float]) -> int:
-    """Where the caller began, given per frame (oldest first) whether the linear estimate showed them and
-    its residual's level (mean square): the first of the frames running up to the last that did, less
-    leading ones ``ONSET_UNDER_PEAK`` under the loudest of the run (a caller's first syllable is
-    seldom 20 dB under their voice; what the filter leaves of an echo's tail it cannot reach can stand
-    over the little it expects where the agent pauses); ``len(evidence)`` where the last did not."""
-    first = len(evidence)
-    while first > 0 and evidence[first - 1]:
-        first -= 1
-    if first < len(evidence):
-        floor = ONSET_UNDER_PEAK * max(residual[first:])
-        while residual[first] < floor:
-            first += 1
-    return first

@@ -1,0 +1,85 @@
+"""Where a caller who talked over the echo began, from what the processing stage noted of the frames it
+handed on before double talk was confirmed (``media/audio_processing.py``, ``_from_onset``).
+
+Double talk is confirmed frames after the caller began, while AEC3 was still taking them down; at
+confirmation the engine is handed the line as it was from where they began. Three witnesses, best first:
+the linear echo estimate's evidence of the caller (``media/echo_estimate.py``: its residual over what it
+expects of the echo alone, or, before it is trusted, the line over the echo's ceiling); the same residual
+at a lower bar, where the estimate was trusted once but its evidence did not hold (a caller near the echo's
+level while the estimate is young); and AEC3's output rising over the least it let through.
+
+Pure functions over lists, oldest frame first; each returns the index of the first frame the caller is in,
+or the list's length where the last frame does not show them.
+"""
+
+from __future__ import annotations
+
+# The linear estimate's evidence: a leading frame 20 dB under the loudest of the run is not the caller (a
+# caller's first syllable is seldom that far under their voice; what the filter leaves of an echo's tail
+# it cannot reach can stand over the little it expects where the agent pauses).
+ONSET_UNDER_PEAK = 0.01
+# Beyond doubt: a caller's quiet first syllable shows up to 60 ms before their strong run; a longer run of
+# evidence before it is the room's tail where the agent's voice dropped, under the line.
+ONSET_QUIET_FRAMES = 6
+# The estimate's residual this far over what it expects of the echo alone, once it was trusted: a caller near
+# the echo's level stands only 3-7 dB over it in their first frames while the estimate is young (under the
+# 9 dB of its evidence), and AEC3's output rises 40-100 ms later.
+ONSET_OVER_EXPECTED = 10 ** (3 / 10)
+# AEC3's output this far over the least it let through in the look-back (its echo alone, the line's noise).
+ONSET_OVER_FLOOR = 10 ** (3 / 10)
+SILENT = 1e-9  # an output level under this (-90 dBFS) is no one
+
+
+def caller_onset_in_evidence(evidence: list[bool], residual: list[float]) -> int:
+    """Given per frame whether the linear estimate showed the caller and its residual's level (mean
+    square): the first of the frames running up to the last that did, less leading ones
+    ``ONSET_UNDER_PEAK`` under the loudest of the run."""
+    first = len(evidence)
+    while first > 0 and evidence[first - 1]:
+        first -= 1
+    if first < len(evidence):
+        floor = ONSET_UNDER_PEAK * max(residual[first:])
+        while residual[first] < floor:
+            first += 1
+    return first
+
+
+def residual_onset(over_expected: list[float | None]) -> int:
+    """Given the linear estimate's residual over what it expects of the echo alone (None: not trusted once
+    since it was placed): the first of the frames running up to the last in which it stood
+    ``ONSET_OVER_EXPECTED`` over it."""
+    first = len(over_expected)
+    while first > 0 and (over := over_expected[first - 1]) is not None and over > ONSET_OVER_EXPECTED:
+        first -= 1
+    return first
+
+
+def caller_onset(levels: list[float]) -> int:
+    """Given AEC3's output level (mean square): the first of the frames running up to the last in which
+    the output stood ``ONSET_OVER_FLOOR`` over the least of them (the echo alone and the noise, as AEC3
+    leaves them)."""
+    if not levels:
+        return 0
+    above = min(levels) * ONSET_OVER_FLOOR
+    first = len(levels)
+    while first > 0 and levels[first - 1] > max(above, SILENT):
+        first -= 1
+    return first
+
+
+def find_onset(evidence: list[tuple[bool, float] | None], levels: list[float],
+               over_expected: list[float | None], strong_frames: int) -> tuple[int, bool]:
+    """Where the caller began, and whether the linear estimate placed it (rather than AEC3's output), given
+    per frame the estimate's evidence (whether it showed the caller and its residual's level; None where it
+    could not say), AEC3's output level and the residual over what the estimate expects; ``strong_frames``:
+    the run of frames, ending with the last, that showed the caller beyond doubt (0: none)."""
+    if evidence and evidence[-1] is not None and evidence[-1][0]:  # the estimate sees them under the echo
+        first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
+                                         [0.0 if e is None else e[1] for e in evidence])
+        strong = len(evidence) - strong_frames + 1  # where the caller became most of the line
+        if strong_frames and strong - first > ONSET_QUIET_FRAMES:
+            first = strong
+        return first, True
+    # Not trusted (yet, or any more): where AEC3's output rose, or the estimate's residual before it.
+    risen, rose = residual_onset(over_expected), caller_onset(levels)
+    return min(risen, rose), risen < rose
