@@ -44,7 +44,7 @@ import numpy as np
 
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.apm_frames import ApmFrames
-from lychee_rtc.media.caller_onset import find_onset
+from lychee_rtc.media.caller_onset import OnsetWitness, find_onset
 from lychee_rtc.media.echo_estimate import FrameEstimate, LinearEchoEstimate
 from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
@@ -143,12 +143,9 @@ class AudioProcessingStage:
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
-        # The last frames handed on: the line without the canceller (less the linear estimate where it is
-        # trusted), AEC3's output level, whether the linear estimate showed the caller and its residual's
-        # level (None: not trusted yet), and its residual over what it expects of the echo alone (None: it
-        # was never trusted since placed), for where the caller began.
-        self._recent: deque[tuple[np.ndarray, np.ndarray, float, tuple[bool, float] | None, float | None]] = deque(
-            maxlen=ONSET_LOOKBACK_FRAMES)
+        # The last frames: the line without the canceller (less the linear estimate where it is trusted), what
+        # was handed on, and what tells where the caller began.
+        self._recent: deque[tuple[np.ndarray, np.ndarray, OnsetWitness]] = deque(maxlen=ONSET_LOOKBACK_FRAMES)
         self._moved_at: int | None = None  # the frame in which the reference queue was last trimmed
         # The echo search's lag when the queue was trimmed, and the lag it stands at since (until found anew).
         self._lag_moved: tuple[float, float] | None = None
@@ -375,7 +372,7 @@ class AudioProcessingStage:
         evidence = estimate.evidence if estimate is not None else None
         over = estimate.residual_power / max(estimate.expected_power, 1e-12) \
             if estimate is not None and self._estimate is not None and self._estimate.trusted else None
-        self._recent.append((clear, out, cancelled_power, evidence, over))
+        self._recent.append((clear, out, OnsetWitness(evidence, cancelled_power, over)))
         return out
 
     def _linear_estimate(self, reference: np.ndarray, samples: np.ndarray) -> FrameEstimate | None:
@@ -400,13 +397,12 @@ class AudioProcessingStage:
         output rose (``media/caller_onset.py``), crossfaded in over the first of them (whole, a WebRTC
         barge-in of the bench came 32 ms later)."""
         recent = list(self._recent)
-        first, by_estimate = find_onset([e for _, _, _, e, _ in recent], [level for _, _, level, _, _ in recent],
-                                 [over for _, _, _, _, over in recent], self._strong_frames)
+        first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)
         if first == len(recent):
             return np.zeros(0, np.float32)
         ramp = np.ones(self.frame, np.float32) if by_estimate else np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
-        plain, handed, _, _, _ = recent[first]
-        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _, _, _ in recent[first + 1:]]
+        plain, handed, _ = recent[first]
+        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 

@@ -14,6 +14,8 @@ or the list's length where the last frame does not show them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # The linear estimate's evidence: a leading frame 20 dB under the loudest of the run is not the caller (a
 # caller's first syllable is seldom that far under their voice; what the filter leaves of an echo's tail
 # it cannot reach can stand over the little it expects where the agent pauses).
@@ -67,12 +69,24 @@ def caller_onset(levels: list[float]) -> int:
     return first
 
 
-def find_onset(evidence: list[tuple[bool, float] | None], levels: list[float],
-               over_expected: list[float | None], strong_frames: int) -> tuple[int, bool]:
-    """Where the caller began, and whether the linear estimate placed it (rather than AEC3's output), given
-    per frame the estimate's evidence (whether it showed the caller and its residual's level; None where it
-    could not say), AEC3's output level and the residual over what the estimate expects; ``strong_frames``:
+@dataclass(frozen=True)
+class OnsetWitness:
+    """What the stage noted of one frame it handed on, for where the caller began."""
+
+    # Whether the linear estimate showed the caller, and its residual's level (mean square); None where it
+    # cannot say (not trusted yet, and the line within what the echo alone reached).
+    evidence: tuple[bool, float] | None
+    aec3_level: float  # AEC3's output, mean square
+    # The estimate's residual over what it expects of the echo alone; None where it was not trusted once
+    # since it was placed.
+    over_expected: float | None
+
+
+def find_onset(frames: list[OnsetWitness], strong_frames: int) -> tuple[int, bool]:
+    """Where the caller began (an index into ``frames``, oldest first; ``len(frames)`` where the last does
+    not show them), and whether the linear estimate placed it rather than AEC3's output. ``strong_frames``:
     the run of frames, ending with the last, that showed the caller beyond doubt (0: none)."""
+    evidence = [f.evidence for f in frames]
     if evidence and evidence[-1] is not None and evidence[-1][0]:  # the estimate sees them under the echo
         first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
                                          [0.0 if e is None else e[1] for e in evidence])
@@ -81,5 +95,6 @@ def find_onset(evidence: list[tuple[bool, float] | None], levels: list[float],
             first = strong
         return first, True
     # Not trusted (yet, or any more): where AEC3's output rose, or the estimate's residual before it.
-    risen, rose = residual_onset(over_expected), caller_onset(levels)
+    risen = residual_onset([f.over_expected for f in frames])
+    rose = caller_onset([f.aec3_level for f in frames])
     return min(risen, rose), risen < rose
