@@ -20,7 +20,7 @@ from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.audio_processing import MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage
-from lychee_rtc.media.caller_onset import caller_onset, residual_onset
+from lychee_rtc.media.caller_onset import OnsetWitness, caller_onset, find_onset, residual_onset
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
 
@@ -74,6 +74,21 @@ def test_the_callers_onset_may_be_where_the_estimates_residual_rose_over_what_th
     assert residual_onset([caller, None, caller, caller]) == 2  # not trusted since placed: it does not say
     assert residual_onset([caller, echo]) == 2  # the last frame was not the caller
     assert residual_onset([]) == 0
+
+
+def test_the_onset_comes_from_the_best_witness_and_says_which():
+    quiet, loud = 1e-6, 1e-3  # AEC3's output: the echo taken down, the caller let through
+    def frames(evidence, levels, over):
+        return [OnsetWitness(e, level, o) for e, level, o in zip(evidence, levels, over)]
+    # The estimate shows the caller in the last three frames: from there, placed by it.
+    shown = frames([(False, quiet), (True, loud), (True, loud), (True, loud)], [quiet] * 3 + [loud], [1.0] * 4)
+    assert find_onset(shown, 0) == (1, True)
+    # It does not show them (no longer trusted); its residual rose a frame before AEC3's output did.
+    rose = frames([None] * 4, [quiet, quiet, quiet, loud], [1.0, 1.0, 3.0, 3.0])
+    assert find_onset(rose, 0) == (2, True)
+    # ... and where it was never trusted, AEC3's output alone.
+    assert find_onset(frames([None] * 4, [quiet, quiet, quiet, loud], [None] * 4), 0) == (3, False)
+    assert find_onset(frames([None] * 2, [loud, quiet], [None] * 2), 0) == (2, False)  # the last frame was not them
 
 
 def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
