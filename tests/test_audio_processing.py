@@ -130,16 +130,14 @@ def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
     stage.close()
 
 
-def test_a_caller_far_over_the_echo_in_the_agents_first_words_is_found_at_once_from_where_they_began():
-    # The agent's first words on a speakerphone whose echo is 20 dB under the caller, the room's noise 5 dB
-    # under the echo (the -20 dB speakerphone of bench bargein). 0.8 s in, the echo search has found the
-    # echo but the linear estimate is not trusted yet (the echo barely over the noise), and AEC3, in its
-    # first second, takes the caller down 20-35 dB for 150 ms: double talk came 180 ms after the caller
-    # began and was handed on from 110 ms in. A line that far over anything the echo reached is the caller.
-    start, barge = RATE, int(1.8 * RATE)
-    agent = np.concatenate([np.zeros(start, np.float32), agent_speech(3.0)])
+def _barge_in_over_first_words(echo_gain: float, barge: int) -> tuple[int | None, int]:
+    """The agent's first words from 1 s on, on a speakerphone whose echo comes back at ``echo_gain`` (the
+    caller as loud as the agent) with the room's noise 25 dB under the caller, and the caller barging in at
+    ``barge``: where the first revision was taken (None: never) and where what it handed on begins. The
+    echo alone is never taken for the caller before the barge-in."""
+    agent = np.concatenate([np.zeros(RATE, np.float32), agent_speech(3.0)])
     delay = int(0.12 * RATE)
-    echo = 0.1 * np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    echo = echo_gain * np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
     echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
     caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
     mic = echo + pink_noise(len(agent)) * 0.1 * 10 ** (-25 / 20)
@@ -154,9 +152,20 @@ def test_a_caller_far_over_the_echo_in_the_agents_first_words_is_found_at_once_f
             assert stage.counters.double_talk_frames == 0, f"the echo alone taken for the caller at {i / RATE:.2f} s"
         elif len(revision) and revised_at is None:
             revised_at, first = i + 2 * FRAME, i - len(revision)
+    stage.close()
+    return revised_at, first
+
+
+def test_a_caller_far_over_the_echo_in_the_agents_first_words_is_found_at_once_from_where_they_began():
+    # The agent's first words on a speakerphone whose echo is 20 dB under the caller, the room's noise 5 dB
+    # under the echo (the -20 dB speakerphone of bench bargein). 0.8 s in, the echo search has found the
+    # echo but the linear estimate is not trusted yet (the echo barely over the noise), and AEC3, in its
+    # first second, takes the caller down 20-35 dB for 150 ms: double talk came 180 ms after the caller
+    # began and was handed on from 110 ms in. A line that far over anything the echo reached is the caller.
+    barge = int(1.8 * RATE)
+    revised_at, first = _barge_in_over_first_words(0.1, barge)
     assert revised_at is not None and revised_at - barge <= 0.1 * RATE, "double talk found within 100 ms"
     assert barge <= first <= barge + 2 * FRAME, "handed on from the caller's first frame"
-    stage.close()
 
 
 @pytest.mark.parametrize("barge_s", [1.85, 1.9])
@@ -166,28 +175,11 @@ def test_a_caller_near_the_echos_level_in_the_agents_first_words_is_handed_on_fr
     # caller's first frames stand only 3-7 dB over what it expects of the echo (under its 9 dB of evidence)
     # and it loses its trust as it learns from them, so the onset was where AEC3's output rose, 40-50 ms in.
     # It is where the estimate's residual first stood 3 dB over what it expects.
-    start, barge = RATE, int(barge_s * RATE)
-    agent = np.concatenate([np.zeros(start, np.float32), agent_speech(3.0)])
-    delay = int(0.12 * RATE)
-    echo = 10 ** (-10 / 20) * np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
-    echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
-    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
-    mic = echo + pink_noise(len(agent)) * 0.1 * 10 ** (-25 / 20)
-    mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
-    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
-    revised_at, first = None, 0
-    for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):
-        stage.far_end(agent[i:i + 2 * FRAME], RATE)
-        stage.process(mic[i:i + 2 * FRAME])
-        revision = stage.take_revision()
-        if i < barge:
-            assert stage.counters.double_talk_frames == 0, f"the echo alone taken for the caller at {i / RATE:.2f} s"
-        elif len(revision) and revised_at is None:
-            revised_at, first = i + 2 * FRAME, i - len(revision)
+    barge = int(barge_s * RATE)
+    revised_at, first = _barge_in_over_first_words(10 ** (-10 / 20), barge)
     assert revised_at is not None and revised_at - barge <= 0.2 * RATE, "double talk found within 200 ms"
     # Within a frame of their first (the residual's 3 dB may take in one frame of the echo before them).
     assert barge - FRAME <= first <= barge + 2 * FRAME, f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
-    stage.close()
 
 
 def test_a_trimmed_reference_is_not_taken_for_the_caller_and_a_barge_in_after_it_still_is():
