@@ -400,9 +400,9 @@ class AudioProcessingStage:
         first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)
         if first == len(recent):
             return np.zeros(0, np.float32)
-        ramp = np.ones(self.frame, np.float32) if by_estimate else np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
         plain, handed, _ = recent[first]
-        frames = [plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
+        ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
+        frames = [plain if by_estimate else plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
