@@ -130,18 +130,21 @@ def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
     stage.close()
 
 
-def _barge_in_over_first_words(echo_gain: float, barge: int) -> tuple[int | None, int]:
-    """The agent's first words from 1 s on, on a speakerphone whose echo comes back at ``echo_gain`` (the
-    caller as loud as the agent) with the room's noise 25 dB under the caller, and the caller barging in at
-    ``barge``: where the first revision was taken (None: never) and where what it handed on begins. The
-    echo alone is never taken for the caller before the barge-in."""
+def _barge_in_over_first_words(echo_gain: float, barge: int | None, delay_s: float = 0.12) -> tuple[int | None, int]:
+    """The agent's first words from 1 s on, on a speakerphone whose echo comes back ``delay_s`` later at
+    ``echo_gain`` (the caller as loud as the agent; 0: no echo) with the room's noise 25 dB under the caller,
+    and the caller barging in at ``barge`` (None: never): where the first revision was taken (None: never)
+    and where what it handed on begins. The echo alone is never taken for the caller before the barge-in."""
     agent = np.concatenate([np.zeros(RATE, np.float32), agent_speech(3.0)])
-    delay = int(0.12 * RATE)
+    delay = int(delay_s * RATE)
     echo = echo_gain * np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
     echo = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
     caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
     mic = echo + pink_noise(len(agent)) * 0.1 * 10 ** (-25 / 20)
-    mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
+    if barge is not None:
+        mic[barge:barge + len(caller)] += caller[:len(mic) - barge]
+    else:
+        barge = len(mic)
     stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
     revised_at, first = None, 0
     for i in range(0, len(mic) - 2 * FRAME + 1, 2 * FRAME):
@@ -180,6 +183,38 @@ def test_a_caller_near_the_echos_level_in_the_agents_first_words_is_handed_on_fr
     assert revised_at is not None and revised_at - barge <= 0.2 * RATE, "double talk found within 200 ms"
     # Within a frame of their first (the residual's 3 dB may take in one frame of the echo before them).
     assert barge - FRAME <= first <= barge + 2 * FRAME, f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
+
+
+@pytest.mark.parametrize("barge_s", [1.0, 1.3, 1.6])
+def test_a_caller_over_the_agents_first_words_on_a_line_without_echo_is_handed_on_from_where_they_began(barge_s):
+    # Most phone lines have no echo. For the agent's first 0.7 s on a call the echo may be on the line and not
+    # found yet, so the engine hears AEC3's output, which took a caller down for as long: they were heard
+    # 0.6-0.8 s late, their first words lost. At full voice and unlike the far end at every lag an echo
+    # could have, three frames running, they are the caller.
+    barge = int(barge_s * RATE)
+    revised_at, first = _barge_in_over_first_words(0.0, barge)
+    assert revised_at is not None and revised_at - barge <= 0.1 * RATE, "double talk found within 100 ms"
+    assert barge - FRAME <= first <= barge + 2 * FRAME, f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
+
+
+def test_a_caller_over_a_faint_echo_found_as_they_begin_is_found_at_once():
+    # The echo 20 dB under the caller, 5 dB over the room's noise: the search finds it about 0.5 s after the
+    # agent's first sound, just after a caller barging in 0.45 s in began. The echo's ceiling was learnt only
+    # from the frames after the filter was placed, the caller's among them (double talk came 130 ms after
+    # they began, handed on from 50 ms in); it is now learnt from the line held since the echo could first
+    # have reached it.
+    barge = int(1.45 * RATE)
+    revised_at, first = _barge_in_over_first_words(0.1, barge)
+    assert revised_at is not None and revised_at - barge <= 0.1 * RATE, "double talk found within 100 ms"
+    assert barge - FRAME <= first <= barge + 2 * FRAME, f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
+
+
+@pytest.mark.parametrize(("gain", "delay_s"), [(1.0, 0.12), (1.0, 0.4), (0.3, 0.4), (0.1, 0.2)])
+def test_an_echo_not_found_yet_is_not_taken_for_the_caller(gain, delay_s):
+    # The agent's first words with no caller, the echo as loud as the agent or under it, on a short or a long
+    # path: loud on the line before the search finds it, but the far end at some lag.
+    revised_at, _ = _barge_in_over_first_words(gain, None, delay_s)
+    assert revised_at is None
 
 
 def test_a_trimmed_reference_is_not_taken_for_the_caller_and_a_barge_in_after_it_still_is():

@@ -9,8 +9,10 @@ leaves for the caller at the leg's rate (8 kHz phone, 48 kHz WebRTC) and, on a l
 back through the simulated office of ``bench/speakerphone.py`` ``--delay-ms`` later at ``--echo-db``
 against the caller, with pink noise at ``--snr-db``. The caller ("Wait, stop, stop please…", another
 voice, as loud as the agent) barges in once per run, at one of ``--barge-ins`` moments spread from
-0.8 s to 20 s into the agent's speech. When the engine reports the caller's speech the agent stops
-100 ms later (the cut reaching the caller) and the engine answers with what it heard.
+``--first-s`` (0.8 s) to ``--last-s`` (20 s) into the agent's speech (``--first-s 0 --last-s 0.7``: all
+over the agent's first words, before the echo could have been found). When the engine reports the
+caller's speech the agent stops 100 ms later (the cut reaching the caller) and the engine answers with
+what it heard.
 
 Reported per configuration and barge-in: the VAD's start of the caller's speech (``SpeechStarted``)
 against where the same barge-in starts with the processing off and no echo on the line (the
@@ -167,7 +169,7 @@ def _main(args: argparse.Namespace) -> int:
         agent = resample(resample(agent, RATE, 8000), 8000, RATE)
         caller = resample(resample(caller, RATE, 8000), 8000, RATE)
     rir = room_impulse_response(RATE)
-    moments = np.linspace(0.8, 20.0, args.barge_ins)
+    moments = np.linspace(args.first_s, args.last_s, args.barge_ins)
     echoes = [None] + [float(x) for x in args.echo_db.split(",") if x]
     configs = [Configuration("off, no echo", False, None)]
     for echo in echoes:
@@ -202,6 +204,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-without-echo", action="store_true",
                    help="the room's noise on the lines without echo too (default: digital silence, as a handset)")
     p.add_argument("--barge-ins", type=int, default=10)
+    p.add_argument("--first-s", type=float, default=0.8, help="the first barge-in, this far into the agent's speech")
+    p.add_argument("--last-s", type=float, default=20.0, help="the last barge-in")
     p.add_argument("--speech-rms", type=float, default=0.1)
     p.add_argument("--json", help="also write every run as JSON here")
     p.set_defaults(func=_main)

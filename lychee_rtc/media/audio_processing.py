@@ -77,6 +77,13 @@ DOUBLE_TALK_OVER_NOISE = 30.0  # ... nor one less than 15 dB over the line's noi
 DOUBLE_TALK_UNDER_PEAK = 0.01  # ... nor one 20 dB under the loudest of the last second
 NOISE_WINDOW_FRAMES = 200
 DOUBLE_TALK_HOLD_FRAMES = 30  # the line stays as it is this long after the caller was last found
+# Settling, the echo not found yet (or none on the line): the caller beyond doubt is at full voice this many
+# frames running and correlates with the far end under this at every lag an echo could have. Measured on
+# frames at full voice over 50 ms (the bench's room, ``bench/speakerphone.py``): an echo alone 0.47-0.97 (20 s
+# of the agent, paths of 50-400 ms, as loud as the agent and 10 dB under), a caller alone 0.06-0.43 (median
+# 0.13, 92 % of their frames under this).
+UNKNOWN_ECHO_FRAMES = 5
+UNLIKE_FAR_END = 0.25
 # Double talk is confirmed frames after the caller began, while AEC3 was still taking them down: at
 # confirmation the engine is handed the line as it was from where the caller began
 # (``media/caller_onset.py``), as far back as this.
@@ -143,6 +150,7 @@ class AudioProcessingStage:
         self._leaking = 0  # frames running that came through the canceller nearly whole
         self._talk_left = 0  # frames the caller is still taken to talk over the echo
         self._levels: deque[float] = deque(maxlen=NOISE_WINDOW_FRAMES)  # input level of recent frames
+        self._loud_run = 0  # frames running at full voice (``_caller_over_echo``)
         # The last frames: the line without the canceller (less the linear estimate where it is trusted), what
         # was handed on, and what tells where the caller began.
         self._recent: deque[tuple[np.ndarray, np.ndarray, OnsetWitness]] = deque(maxlen=ONSET_LOOKBACK_FRAMES)
@@ -177,7 +185,7 @@ class AudioProcessingStage:
         if settings == self.settings and (self._apm is not None) == settings.active:
             return held
         self._plain, self._presence, self._estimate, self._cancelling = None, None, None, False
-        self._first_sound, self._leaking, self._talk_left = None, 0, 0
+        self._first_sound, self._leaking, self._talk_left, self._loud_run = None, 0, 0, 0
         self._moved_at, self._lag_moved = None, None
         self._shown.clear()
         self._levels.clear()
@@ -355,7 +363,13 @@ class AudioProcessingStage:
         certain = estimate is not None and estimate.certain and linear
         self._strong_frames = estimate.strong_frames if certain and estimate is not None else 0
         cancelled_power = float(np.mean(np.square(cancelled)))
-        talking = (found or settling) and self._caller_over_echo(plain, cancelled_power, certain)
+        # The line's level every frame, so that its noise is known before the agent's first sound.
+        self._levels.append(float(np.mean(np.square(plain))))
+        # Settling, with the echo not found yet (or no echo at all: most phone lines): AEC3 takes a caller
+        # down for as long, and nothing else knows the echo. A caller beyond doubt there is at full voice and
+        # unlike the far end at every lag an echo could have (``_caller_over_echo``).
+        unknown = settling and estimate is None
+        talking = (found or settling) and self._caller_over_echo(cancelled_power, certain, unknown)
         echo = (found or settling) and not talking
         was, self._cancelling = self._cancelling, echo
         if echo:
@@ -369,7 +383,8 @@ class AudioProcessingStage:
             ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
             line = clear if talking else plain
             out = (cancelled * ramp + line * (1 - ramp)) if echo else (line * ramp + cancelled * (1 - ramp))
-        evidence = estimate.evidence if estimate is not None else None
+        evidence = estimate.evidence if estimate is not None else \
+            (self._loud_run > 0, self._levels[-1]) if unknown else None
         over = estimate.residual_power / max(estimate.expected_power, 1e-12) \
             if estimate is not None and self._estimate is not None and self._estimate.trusted else None
         self._recent.append((clear, out, OnsetWitness(evidence, cancelled_power, over)))
@@ -406,15 +421,17 @@ class AudioProcessingStage:
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
-    def _caller_over_echo(self, plain: np.ndarray, cancelled_power: float, certain: bool = False) -> bool:
+    def _caller_over_echo(self, cancelled_power: float, certain: bool = False, unknown: bool = False) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
         comes through it within 10 dB of its input, three frames running, is the caller.
         The engine then hears the line as it is (echo and all, as without processing) rather than
         AEC3's suppressor, which takes the caller down 10-25 dB for the first 60-200 ms of speech
         over an echo as loud (and the VAD hears the barge-in that much late), until
-        ``DOUBLE_TALK_HOLD_FRAMES`` after it stops."""
-        level_in = float(np.mean(np.square(plain)))
-        self._levels.append(level_in)
+        ``DOUBLE_TALK_HOLD_FRAMES`` after it stops. Or the linear estimate shows them beyond doubt
+        (``certain``); or, where the echo is not found yet (``unknown``: settling, the estimate not placed),
+        the line at full voice ``UNKNOWN_ECHO_FRAMES`` running is unlike the far end at every lag an echo
+        could have (what ``find_onset`` then takes as the run's strength)."""
+        level_in = self._levels[-1]
         # Only speech at full voice: well above the line's noise, which AEC3 leaves as it is (the
         # least level of the last two seconds), and near the loudest of the last second, not the
         # quiet ends of the echo's words, which AEC3 takes down less.
@@ -422,6 +439,12 @@ class AudioProcessingStage:
         loud = level_in > max(DOUBLE_TALK_FLOOR, DOUBLE_TALK_OVER_NOISE * min(self._levels),
                               DOUBLE_TALK_UNDER_PEAK * max(recent))
         through = loud and cancelled_power > DOUBLE_TALK_GAIN * level_in
+        self._loud_run = self._loud_run + 1 if loud else 0
+        if unknown and self._loud_run >= UNKNOWN_ECHO_FRAMES and not certain:
+            assert self._estimate is not None
+            certain = self._estimate.line_likeness(self._loud_run) < UNLIKE_FAR_END
+            if certain:
+                self._strong_frames = self._loud_run
         self._leaking = self._leaking + 1 if through else 0
         # Right after a trim, AEC3 lets the echo through as it relearns: the linear estimate must agree.
         aec3 = self._leaking >= DOUBLE_TALK_FRAMES and (not self._relearning() or all(self._shown))

@@ -24,8 +24,14 @@ correlate with the far end at any lag near the echo's. A moved echo path or a le
 again and correlates; a clipping loudspeaker's residual and the room's tail stay under the line.
 
 Until the filter is trusted, it shows no evidence; what it knows is how loud the echo gets against the
-far end (its ceiling, ``_against_ceiling``). A line far over that, unlike the far end, is the caller
-beyond doubt too (AEC3, in its first second, takes even a caller 20 dB over the echo down for 150 ms).
+far end (its ceiling, ``_against_ceiling``), learnt from the line held since the echo could first have
+reached it (``_learn_held_ceiling``), not from where the search found it: on a faint echo that is half a
+second into the agent's first words, when a caller barging in may already be talking. A line far over that,
+unlike the far end, is the caller beyond doubt too (AEC3, in its first second, takes even a caller 20 dB
+over the echo down for 150 ms).
+
+Before the filter is placed, the line is kept as the residual, so that the stage can ask whether it is like
+the far end at any lag (``line_likeness``): with the echo not found yet, a caller is not.
 
 Pure numpy, one session's state, no I/O. Per 10 ms frame: two FFTs of 2 frames, and a batched pair
 over the partitions for the gradient constraint.
@@ -33,6 +39,7 @@ over the partitions for the gradient constraint.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +73,11 @@ LAG_MOVE_S = 0.004  # the lag moving this much re-places the filter (and it lear
 # filter was placed, is the echo's ceiling. A line 10 dB over it (three frames running, unlike the far end)
 # is the caller beyond doubt; 3 dB over it is the caller in evidence (where they began), and not learnt from.
 CEILING_LEARNT_FRAMES = 20  # frames of the far end since placed before the ceiling is known
+# ... counted from where the echo could first have reached the line, not from where the search found it
+# (0.3-0.5 s after the agent's first sound on a faint echo): placed, the filter learns the ceiling from the
+# line held since then, so that a caller who begins over the agent's first words is not taken for the echo.
+HELD_FRAMES = 100
+HELD_OF_LOUDEST = 0.1  # ... from the frames where the far end's loudest was within 10 dB of what it is now
 OVER_CEILING = 10.0
 ABOVE_CEILING = 2.0
 
@@ -114,6 +126,10 @@ class LinearEchoEstimate:
         self._delay: int | None = None  # samples of bulk delay ahead of the filter
         self._residuals = np.zeros(CERTAIN_WINDOW_FRAMES * frame, np.float64)  # the last residual, newest last
         self.counters = EstimateCounters()
+        # The far end's level per frame over the history (for its loudest), and per frame held, the line's
+        # level, the far end's loudest in the history then and its own level, newest last.
+        self._far_levels = np.zeros(len(self._history) // frame, np.float64)
+        self._held: deque[tuple[float, float, float]] = deque(maxlen=HELD_FRAMES)
         self._reset()
 
     def _reset(self) -> None:
@@ -150,6 +166,7 @@ class LinearEchoEstimate:
         self._delay = delay
         self.counters.placements += 1
         self._reset()
+        self._learn_held_ceiling()
 
     def skip(self, far: np.ndarray) -> None:
         """Far end that reached the caller but not the canceller (a trimmed reference queue): it joins the
@@ -159,6 +176,8 @@ class LinearEchoEstimate:
             return
         self._history[:-k] = self._history[k:]
         self._history[-k:] = far[len(far) - k:]
+        n = self.frame
+        self._far_levels[:] = np.mean(np.square(self._history[len(self._history) % n:].reshape(-1, n)), axis=1)
         if self._delay is not None:
             self._delay += len(far)
             if self._delay > len(self._history) - 2 * self.frame:  # beyond its reach: placed afresh
@@ -170,7 +189,17 @@ class LinearEchoEstimate:
         n = self.frame
         self._history[:-n] = self._history[n:]  # in place: the far end's 0.5 s is not copied anew per frame
         self._history[-n:] = reference
+        far_level = float(np.dot(self._history[-n:], self._history[-n:])) / n
+        self._far_levels[:-1] = self._far_levels[1:]
+        self._far_levels[-1] = far_level
+        d = np.asarray(mic, np.float64)
+        line_power = float(np.dot(d, d)) / n
+        loudest = float(self._far_levels.max())
+        ratio = line_power / loudest if loudest >= REFERENCE_FLOOR else None
+        self._held.append((line_power, loudest, far_level))
         if self._delay is None:
+            self._residuals[:-n] = self._residuals[n:]  # nothing estimated: the residual is the line
+            self._residuals[-n:] = d
             return None
         self.counters.frames += 1
         end = len(self._history) - self._delay
@@ -179,7 +208,6 @@ class LinearEchoEstimate:
         self._spectra[1:] = self._spectra[:-1]  # in place: no array per frame
         self._spectra[0] = spectrum
         estimate = np.fft.irfft(np.sum(self._weights * self._spectra, axis=0), 2 * n)[n:]
-        d = np.asarray(mic, np.float64)
         e = d - estimate
         residual_power = float(np.dot(e, e)) / n
         estimate_power = float(np.dot(estimate, estimate)) / n
@@ -204,8 +232,7 @@ class LinearEchoEstimate:
             self._evidence_run = 0
         if self._retraining and self._misadjustment < CONVERGED / 2:
             self._retraining = False
-        line_power = float(np.dot(d, d)) / n
-        above, over = self._against_ceiling(line_power, far_power)
+        above, over = self._against_ceiling(ratio, far_power)
         adapt = far_power >= REFERENCE_FLOOR and (not caller or self._retraining) and not above
         if caller and not self._retraining:
             self.counters.caller_frames += 1
@@ -235,18 +262,13 @@ class LinearEchoEstimate:
         return FrameEstimate(e.astype(np.float32), residual_power, line_power, expected,
                              converged and not self._retraining, certain, self._certain_run, above)
 
-    def _against_ceiling(self, line_power: float, far_power: float) -> tuple[bool, bool]:
-        """Not trusted yet: whether the line stands ``ABOVE_CEILING`` and ``OVER_CEILING`` over the echo's
-        ceiling (both False until it is known, and once the filter is trusted). Frames under the first
-        raise the ceiling to theirs (the echo alone); a caller's do not."""
-        if self._trusted:
+    def _against_ceiling(self, ratio: float | None, far_power: float) -> tuple[bool, bool]:
+        """Not trusted yet: whether the line, at ``ratio`` over the far end's loudest in the history (None:
+        the far end is silent), stands ``ABOVE_CEILING`` and ``OVER_CEILING`` over the echo's ceiling (both
+        False until it is known, and once the filter is trusted). Frames under the first raise the ceiling
+        to theirs (the echo alone); a caller's do not. ``far_power``: the far end at the echo's lag."""
+        if self._trusted or ratio is None:
             return False, False
-        n = self.frame
-        history = self._history[len(self._history) % n:]
-        loudest = float(np.max(np.mean(np.square(history.reshape(-1, n)), axis=1)))
-        if loudest < REFERENCE_FLOOR:
-            return False, False
-        ratio = line_power / loudest
         known = self._ceiling_frames >= CEILING_LEARNT_FRAMES
         above = known and ratio > ABOVE_CEILING * self._ceiling
         self._above_run = self._above_run + 1 if above else 0
@@ -257,18 +279,43 @@ class LinearEchoEstimate:
             self._ceiling_frames += far_power >= REFERENCE_FLOOR
         return above, known and ratio > OVER_CEILING * self._ceiling
 
+    def _learn_held_ceiling(self) -> None:
+        """Just placed: the line held since the far end at the new lag could reach it teaches the ceiling,
+        frame by frame as if the filter had been placed then."""
+        assert self._delay is not None
+        lag = round(self._delay / self.frame)
+        held = list(self._held)
+        top = max((h[1] for h in held), default=0.0)
+        for j in range(lag, len(held)):
+            line, loudest, _ = held[j]
+            # Not while the far end's history held only the agent's quiet first sound: the line's noise
+            # over it would stand for an echo far louder than the agent.
+            if loudest >= max(REFERENCE_FLOOR, HELD_OF_LOUDEST * top):
+                self._against_ceiling(line / loudest, held[j - lag][2])
+
     def echo_likeness(self) -> float:
         """The highest normalised correlation of the residual's run of strong frames (at least
         ``CERTAIN_FRAMES``, at most ``CERTAIN_WINDOW_FRAMES``) with the far end, at every lag from
         ``CERTAIN_SEARCH_S`` ahead of the filter's reach to as far behind it."""
         if self._delay is None:
             return 1.0
-        # Only the run of strong frames (up to the window): the echo's leftovers before it would dilute it.
-        w = min(max(self._certain_run, CERTAIN_FRAMES), CERTAIN_WINDOW_FRAMES) * self.frame
-        residuals = self._residuals[len(self._residuals) - w:]
         search = int(CERTAIN_SEARCH_S * self.rate)
-        nearest = max(self._delay - search, 0)
-        farthest = min(self._delay + self.partitions * self.frame + search, len(self._history) - w - 1)
+        return self._likeness(self._certain_run, max(self._delay - search, 0),
+                              self._delay + self.partitions * self.frame + search)
+
+    def line_likeness(self, frames: int) -> float:
+        """Not placed yet (the echo not found): the highest normalised correlation of the line's last
+        ``frames`` (at least ``CERTAIN_FRAMES``, at most ``CERTAIN_WINDOW_FRAMES``) with the far end at
+        every lag the history holds, as ``echo_likeness``. 1.0 once placed."""
+        if self._delay is not None:
+            return 1.0
+        return self._likeness(frames, 0, len(self._history))
+
+    def _likeness(self, frames: int, nearest: int, farthest: int) -> float:
+        # Only the run of strong frames (up to the window): the echo's leftovers before it would dilute it.
+        w = min(max(frames, CERTAIN_FRAMES), CERTAIN_WINDOW_FRAMES) * self.frame
+        residuals = self._residuals[len(self._residuals) - w:]
+        farthest = min(farthest, len(self._history) - w - 1)
         if farthest <= nearest:
             return 1.0
         # far[j] lines up with the residual's first sample at lag ``farthest - j``.
