@@ -98,6 +98,7 @@ class CarrierEmulator:
         self._seq = 0
         self._sent_samples = 0
         self.closed = asyncio.Event()
+        self._replies: set[asyncio.Future] = set()  # replies sent from a timer or the reader, in flight
 
     # --- connection ------------------------------------------------------------------------------
 
@@ -120,12 +121,31 @@ class CarrierEmulator:
             await asyncio.wait([self._reader], timeout=10)
         for _, timer in self._pending_marks:
             timer.cancel()
+        if self._replies:
+            await asyncio.wait(list(self._replies), timeout=10)
         if self._http is not None:
             await self._http.close()
 
     async def send_json(self, frame: Any) -> None:
         assert self._ws is not None
         await self._ws.send_str(json.dumps(frame))
+
+    def _reply(self, frame: Any) -> None:
+        """Send ``frame`` without waiting for it (from a timer or the reader). The server may close the
+        stream while it is on its way, as a real carrier's reply is then lost; so is this one, and not left
+        as an error on a task no one awaits. Anything else is reported as such a task's would be."""
+        task = asyncio.ensure_future(self.send_json(frame))
+        self._replies.add(task)
+        task.add_done_callback(self._replied)
+
+    def _replied(self, task: asyncio.Future) -> None:
+        self._replies.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, ConnectionError):
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": "a carrier emulator's reply failed", "exception": error, "future": task})
 
     async def send_raw(self, data: str | bytes) -> None:
         assert self._ws is not None
@@ -232,7 +252,7 @@ class CarrierEmulator:
         self._pending_marks = [(n, t) for n, t in self._pending_marks if n != name]
         self.log.marks_echoed.append((time.monotonic(), name, cleared))
         if self._ws is not None and not self._ws.closed:
-            asyncio.ensure_future(self.send_json(fill(self.spec["mark"], self._values(name=name))))
+            self._reply(fill(self.spec["mark"], self._values(name=name)))
 
     def _on_clear(self) -> None:
         now = time.monotonic()
@@ -247,7 +267,7 @@ class CarrierEmulator:
             if self.spec.get("marks_echoed_on_clear"):
                 self._echo(name, True)
         if self.spec.get("cleared") is not None and self._ws is not None and not self._ws.closed:
-            asyncio.ensure_future(self.send_json(fill(self.spec["cleared"], self._values())))
+            self._reply(fill(self.spec["cleared"], self._values()))
 
     # --- what the caller heard -------------------------------------------------------------------
 
