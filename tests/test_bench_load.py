@@ -60,7 +60,7 @@ async def test_a_short_run_measures_server_client_relay_and_floor():
         assert step.probes == 6 * step.sessions
         assert step.found >= step.probes - 1  # a busy machine may lose one; the path itself loses none
         assert step.p50_ms is not None and 0 < step.p50_ms < 1000
-        assert step.within_budget is (step.found == step.probes and step.p90_ms <= 100.0)
+        assert step.within_budget is (step.found == step.probes and step.p90_ms <= args.budget_ms)
     assert report.relay[0].server_cpu_per_call > 0 and report.relay[0].found >= 5
     assert report.floor is not None and 0 < report.floor.libopus_percent < report.floor.aiortc_percent
     text = format_report(report)
