@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import Iterable
+from typing import Any, Coroutine, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -96,3 +97,23 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task | None], timeout: float) 
         if task.done() and not task.cancelled() and task.exception() is not None:
             log.debug("task %s ended with %r while being cancelled", task.get_name(), task.exception())
     return all(t.done() for t in pending)
+
+
+def spawn_kept(coro: Coroutine[Any, Any, Any], keep: set[asyncio.Task], what: str) -> asyncio.Task:
+    """Run ``coro`` as a task held in ``keep`` until it ends; its failure is logged (WARNING), its
+    cancellation ignored.
+
+    For work started from a callback that nobody awaits (a close triggered by a protocol event):
+    the loop holds tasks only weakly, so a bare ``ensure_future`` may be collected mid-flight, and
+    one that fails leaves "Task exception was never retrieved". The owner of ``keep`` may await
+    what is still in it when it stops."""
+    task = asyncio.ensure_future(coro)
+    keep.add(task)
+    task.add_done_callback(functools.partial(_forget, keep, what))
+    return task
+
+
+def _forget(keep: set[asyncio.Task], what: str, task: asyncio.Task) -> None:
+    keep.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s failed: %r", what, task.exception())

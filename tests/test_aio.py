@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
-from lychee_rtc.aio import Signal, wait_event
+from lychee_rtc.aio import Signal, spawn_kept, wait_event
 
 
 async def test_wait_event_reports_set_or_timeout():
@@ -74,3 +75,41 @@ async def test_a_cancel_in_the_same_iteration_as_a_signal_is_not_lost():
         await asyncio.wait_for(task, 60)
     assert rounds == 1
     assert signal._waiters == []
+
+
+async def test_a_kept_task_is_held_until_it_ends_and_its_failure_is_logged_not_left_unretrieved(caplog):
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        keep: set[asyncio.Task] = set()
+        release = asyncio.Event()
+
+        async def fails() -> None:
+            await release.wait()
+            raise ConnectionResetError("peer went away")
+
+        async def ends_well() -> str:
+            await release.wait()
+            return "done"
+
+        failing = spawn_kept(fails(), keep, "closing the test socket")
+        fine = spawn_kept(ends_well(), keep, "a task that ends well")
+        cancelled = spawn_kept(asyncio.sleep(3600), keep, "a task that is cancelled")
+        assert keep == {failing, fine, cancelled}
+        del failing, fine  # only the set holds them now
+        gc.collect()
+        assert len(keep) == 3
+        cancelled.cancel()
+        release.set()
+        await asyncio.wait(list(keep), timeout=5)
+        assert keep == set()
+        del cancelled
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert unretrieved == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["closing the test socket failed: ConnectionResetError('peer went away')"]

@@ -239,3 +239,39 @@ async def test_shutdown_waits_for_a_call_whose_transport_is_still_closing():
     assert closing.done()
     assert call.pc.signalingState == "closed" and call.pc.connectionState == "closed"
     await client.close()
+
+
+async def test_a_websocket_adopted_after_shutdown_began_is_closed_going_away_and_stop_waits_for_it():
+    # A handler that made its socket while shutdown began (a race the server cannot rule out): the
+    # socket is closed 1001 at once, and stop() waits for that close like the others.
+    from aiohttp import WSMsgType, web
+    from lychee_rtc.server.lifecycle import CLOSE_GOING_AWAY, Lifecycle
+
+    lifecycle = Lifecycle(body_timeout_s=5.0)
+    adopted = asyncio.Event()
+
+    async def late_socket(request: web.Request) -> web.WebSocketResponse:
+        lifecycle.begin_stop()
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        lifecycle.adopt(request, ws)
+        adopted.set()
+        async for _ in ws:
+            pass
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/ws", late_socket)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as http, http.ws_connect(f"http://127.0.0.1:{port}/ws") as ws:
+            message = await asyncio.wait_for(ws.receive(), 10)
+            assert message.type == WSMsgType.CLOSE and message.data == CLOSE_GOING_AWAY
+            assert adopted.is_set()
+            await lifecycle.stop(asyncio.get_running_loop().time() + 5)
+            assert lifecycle._late_closes == set()
+    finally:
+        await runner.cleanup()

@@ -15,7 +15,7 @@ from typing import Any
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.exceptions import OperationError
 
-from lychee_rtc.aio import cancel_and_wait
+from lychee_rtc.aio import cancel_and_wait, spawn_kept
 from lychee_rtc.calls.call import Call, ServerFull
 from lychee_rtc.calls.registry import CallRegistry
 from lychee_rtc.calls.tokens import ClientKey, digest, new_session_token, new_whip_resource, secret_matches
@@ -58,6 +58,7 @@ class RtcNegotiator:
         self._calls: dict[str, RtcCall] = {}  # session id -> this transport's registered calls
         self._whip_resources: dict[str, str] = {}  # WHIP resource id -> session id
         self._resumable: dict[str, str] = {}  # hash of a resumable call's token -> session id
+        self._overflow_closes: set[asyncio.Task] = set()  # calls closing for a data channel overflow
         registry.on_removed.append(self._forget)
         limit_codec_threads()
         # Offered after the voice codecs, so that callers through a SIP gateway can send keys.
@@ -306,7 +307,8 @@ class RtcNegotiator:
         session = call.session
 
         def overflow(what: str) -> None:
-            asyncio.ensure_future(self.registry.close(session.id, "data_channel_overflow"))
+            spawn_kept(self.registry.close(session.id, "data_channel_overflow"), self._overflow_closes,
+                       f"closing session {session.id} after a data channel overflow")
 
         guard = SctpGuard(MAX_MESSAGE_BYTES, on_oversize=lambda _stream, size: session.reject_oversize(size),
                           on_overflow=overflow)

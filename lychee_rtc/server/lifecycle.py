@@ -24,6 +24,8 @@ from typing import AsyncIterator
 
 from aiohttp import WSCloseCode, web
 
+from ..aio import spawn_kept
+
 log = logging.getLogger(__name__)
 
 # A close handshake (our close frame, the peer's answer) gets this long; a peer that never answers
@@ -52,6 +54,7 @@ class Lifecycle:
         self.stopping = False
         self._reads: set[asyncio.Timeout] = set()
         self._sockets: dict[web.WebSocketResponse, web.Request] = {}
+        self._late_closes: set[asyncio.Task] = set()  # sockets adopted after shutdown began
 
     # --- request bodies ----------------------------------------------------------------------------
 
@@ -90,7 +93,8 @@ class Lifecycle:
     def adopt(self, request: web.Request, ws: web.WebSocketResponse) -> web.WebSocketResponse:
         """Track a WebSocket a handler made (and prepared) itself, as ``websocket`` does its own."""
         if self.stopping and not ws.closed:  # made while shutdown began: closed with the rest
-            asyncio.ensure_future(ws.close(code=CLOSE_GOING_AWAY, message=b"server shutdown"))
+            spawn_kept(ws.close(code=CLOSE_GOING_AWAY, message=b"server shutdown"), self._late_closes,
+                       "closing a WebSocket adopted during shutdown")
         self._sockets[ws] = request
         if request.task is not None:  # forgotten when its handler ends
             request.task.add_done_callback(lambda _task: self._sockets.pop(ws, None))
@@ -119,6 +123,7 @@ class Lifecycle:
         open_ = [(ws, request) for ws, request in self._sockets.items() if not _transport_closed(request)]
         closing = [asyncio.ensure_future(ws.close(code=CLOSE_GOING_AWAY, message=b"server shutdown"))
                    for ws, _ in open_ if not ws.closed]
+        closing += self._late_closes
         while loop.time() < deadline and not all(_transport_closed(r) for _, r in open_):
             await asyncio.sleep(0.05)
         for ws, request in open_:
