@@ -19,7 +19,8 @@ from lychee_rtc.bench.aec import CALLER_WAV, FIXTURES, at_level, read_wav
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
-from lychee_rtc.media.audio_processing import MAX_REFERENCE_S, ONSET_LOOKBACK_FRAMES, AudioProcessingStage
+from lychee_rtc.media.audio_processing import (MAX_REFERENCE_S, ONSET_AHEAD_FRAMES, ONSET_LOOKBACK_FRAMES,
+                                              AudioProcessingStage)
 from lychee_rtc.media.caller_onset import OnsetWitness, caller_onset, find_onset, residual_onset
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
@@ -183,6 +184,19 @@ def test_a_caller_near_the_echos_level_in_the_agents_first_words_is_handed_on_fr
     assert revised_at is not None and revised_at - barge <= 0.2 * RATE, "double talk found within 200 ms"
     # Within a frame of their first (the residual's 3 dB may take in one frame of the echo before them).
     assert barge - FRAME <= first <= barge + 2 * FRAME, f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
+
+
+def test_a_caller_under_an_echo_as_loud_is_handed_on_from_before_the_canceller_let_them_through():
+    # The echo as loud as the caller, 0.8 s into the agent's first words (the first barge-in of bench
+    # bargein): the caller's first 30-40 ms are 10 dB and more under the echo, and the young linear
+    # estimate (5-6 dB taken out) shows nothing of them, so the onset is where AEC3's output rose, after
+    # those frames; handed on from there, 60 ms in, the engine's VAD started 64 ms late. The frames handed
+    # on reach back ``ONSET_AHEAD_FRAMES`` before it.
+    barge = int(1.8 * RATE)
+    revised_at, first = _barge_in_over_first_words(1.0, barge)
+    assert revised_at is not None and revised_at - barge <= 0.2 * RATE, "double talk found within 200 ms"
+    assert barge - ONSET_AHEAD_FRAMES * FRAME <= first <= barge + 4 * FRAME, \
+        f"handed on from {(first - barge) / RATE * 1000:.0f} ms"
 
 
 @pytest.mark.parametrize("barge_s", [1.0, 1.3, 1.6])

@@ -88,6 +88,11 @@ UNLIKE_FAR_END = 0.25
 # confirmation the engine is handed the line as it was from where the caller began
 # (``media/caller_onset.py``), as far back as this.
 ONSET_LOOKBACK_FRAMES = 16
+# Where only AEC3's output (or the estimate's residual at its lower bar) placed the onset, the caller had
+# begun before it: their first 30-40 ms are 10 dB and more under an echo as loud, which neither shows
+# (docs/benchmarks.md, ``bench bargein``). Handed on from this many frames sooner, the engine hears up to
+# 30 ms of the line before them, and their first syllable whole.
+ONSET_AHEAD_FRAMES = 3
 # A trimmed reference queue moves the echo against the reference at once, and AEC3 leaks the echo for
 # 0.4-2.3 s while it relearns the path; its double-talk rule fires on the echo alone then. For this
 # long after a trim, double talk also needs the linear estimate (kept in place across the trim) to
@@ -409,12 +414,14 @@ class AudioProcessingStage:
         8 ms before the caller's first frame (the canceller's lag) and their first 2 ms, and faded in
         from AEC3's near silence it kept the engine's VAD under its threshold for its first 32 ms over
         the caller (0.39-0.44, whole 0.55-0.67: docs/benchmarks.md, ``bench bargein``). Where only AEC3's
-        output rose (``media/caller_onset.py``), crossfaded in over the first of them (whole, a WebRTC
-        barge-in of the bench came 32 ms later)."""
+        output rose (``media/caller_onset.py``), from ``ONSET_AHEAD_FRAMES`` before it, crossfaded in over
+        the first (whole, a WebRTC barge-in of the bench came 32 ms later)."""
         recent = list(self._recent)
         first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)
         if first == len(recent):
             return np.zeros(0, np.float32)
+        if not by_estimate:  # found where AEC3 already let them through: they began before
+            first = max(0, first - ONSET_AHEAD_FRAMES)
         plain, handed, _ = recent[first]
         ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
         frames = [plain if by_estimate else plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
