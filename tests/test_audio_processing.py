@@ -15,7 +15,8 @@ from telephony_support import EventStream, carrier, spec
 from test_openai_realtime import AUTH, KEY, open_call
 from test_telephony import phone_server
 
-from lychee_rtc.bench.aec import CALLER_WAV, FIXTURES, at_level, read_wav
+from lychee_rtc.bench import bargein
+from lychee_rtc.bench.aec import AGENT_WAVS, CALLER_WAV, FIXTURES, at_level, read_wav
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
@@ -479,3 +480,17 @@ def test_prepared_module_calls_give_the_bindings_own_output_sample_for_sample():
         plain.process_stream(frame)
         theirs = np.frombuffer(frame.data, np.int16).astype(np.float32) / 32768.0
         assert np.array_equal(ours, theirs), f"frame {i // FRAME}"
+
+
+def test_an_estimate_that_predicts_an_echo_the_line_does_not_hold_is_not_taken_for_the_caller():
+    # The bench's speakerphone on a WebRTC leg (the reference from a 48 kHz track) with the echo as loud as
+    # the agent and 250 ms away: 3.75 s into the agent's speech, where the line went quiet after a pause in
+    # the agent's voice, the linear estimate left a residual 6-11 dB over the line three frames running, and
+    # it was taken for the caller beyond doubt: the engine heard the echo and the agent cut itself off.
+    agent = np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS])
+    agent = at_level(np.tile(agent, 3), 0.1)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    run = bargein.run_once(bargein.PHONE_LEG, 48000, 0.0, 250.0, 25.0, 5.07, agent, caller,
+                           room_impulse_response(RATE))
+    assert run.self_interruptions == 0, "the agent's own echo started the engine's VAD before the barge-in"
+    assert run.start_s is not None and run.start_s < 0.0, "the barge-in itself is heard"

@@ -19,8 +19,9 @@ changes also raises the residual; that is told apart by the filter's own trend: 
 (with the evidence withdrawn) until the misadjustment is back down.
 
 The caller beyond doubt (``FrameEstimate.certain``, which confirms double talk without waiting for AEC3):
-a residual far over what the echo alone leaves and most of the line, three frames running, that does not
-correlate with the far end at any lag near the echo's. A moved echo path or a level change is the far end
+a residual far over what the echo alone leaves and most of the line (not far over it: that is the filter
+predicting an echo the line does not hold), three frames running, that does not correlate with the far end
+at any lag near the echo's. A moved echo path or a level change is the far end
 again and correlates; a clipping loudspeaker's residual and the room's tail stay under the line.
 
 Until the filter is trusted, it shows no evidence; what it knows is how loud the echo gets against the
@@ -62,6 +63,12 @@ STILL_CONVERGED = 0.4  # ... under which it stays trusted, once it was (4 dB)
 # reaches and 100 ms either side (an echo path that moved, or a level change, is the far end again).
 CERTAIN_OVER_EXPECTED = 10 ** (15 / 10)
 CERTAIN_OF_LINE = 10 ** (-6 / 10)
+# ... and not over the line by more than 3 dB: a caller adds to the line what they add to the residual, so a
+# residual far over the line is the estimate's own error, an echo it predicts that is not there. Traced on a
+# 250 ms WebRTC path with the echo as loud (``bench bargein``): where the line went quiet after a pause in the
+# agent's voice, the residual stood 6-11 dB over it three frames running, unlike the far end at any lag
+# searched (0.38), and was taken for the caller: the agent cut itself off.
+CERTAIN_OVER_LINE = 10 ** (3 / 10)
 CERTAIN_FRAMES = 3
 CERTAIN_WINDOW_FRAMES = 10
 CERTAIN_SEARCH_S = 0.1
@@ -256,7 +263,7 @@ class LinearEchoEstimate:
         self._residuals[:-n] = self._residuals[n:]
         self._residuals[-n:] = e
         strong = over or (converged and not self._retraining and residual_power > CERTAIN_OVER_EXPECTED * expected
-                          and residual_power > CERTAIN_OF_LINE * line_power)
+                          and CERTAIN_OF_LINE * line_power < residual_power < CERTAIN_OVER_LINE * line_power)
         self._certain_run = self._certain_run + 1 if strong else 0
         certain = self._certain_run >= CERTAIN_FRAMES and self.echo_likeness() < ECHO_LIKE
         return FrameEstimate(e.astype(np.float32), residual_power, line_power, expected,
