@@ -16,7 +16,7 @@ from test_openai_realtime import AUTH, KEY, open_call
 from test_telephony import phone_server
 
 from lychee_rtc.bench import bargein
-from lychee_rtc.bench.aec import AGENT_WAVS, CALLER_WAV, FIXTURES, at_level, read_wav
+from lychee_rtc.bench.aec import AGENT_WAVS, CALLER_WAV, FIXTURES, at_level, read_wav, resample
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
@@ -494,3 +494,27 @@ def test_an_estimate_that_predicts_an_echo_the_line_does_not_hold_is_not_taken_f
                            room_impulse_response(RATE))
     assert run.self_interruptions == 0, "the agent's own echo started the engine's VAD before the barge-in"
     assert run.start_s is not None and run.start_s < 0.0, "the barge-in itself is heard"
+
+
+@pytest.mark.parametrize("tx_rate", [48000, 8000])
+def test_the_echos_tail_in_the_agents_pauses_is_not_taken_for_the_caller(tx_rate):
+    # The speakerphone of bench aec without the room's noise: in the agent's pauses the room's tail beyond
+    # the linear filter's reach is all of the line (-50 to -75 dBFS), over what the filter expects and unlike
+    # the far end at one lag, and it was taken for the caller beyond doubt nine times a minute on each leg.
+    agent = np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS])
+    agent = at_level(np.tile(agent, 2)[:15 * RATE], 0.1)
+    if tx_rate == 8000:  # a phone leg: both directions narrowband
+        agent = resample(resample(agent, RATE, 8000), 8000, RATE)
+    sent = resample(agent, RATE, tx_rate)
+    delay = int(0.15 * RATE)
+    echo = np.convolve(agent, room_impulse_response(RATE))[:len(agent)]
+    mic = np.concatenate([np.zeros(delay, np.float32), echo])[:len(agent)].astype(np.float32)
+    stage = AudioProcessingStage(RATE, AudioProcessing(echo_cancellation=True, high_pass_filter=True))
+    stage.reference_continuous = tx_rate != 8000  # as the WebRTC track feeds it
+    step = tx_rate // 50
+    for k in range(len(mic) // (2 * FRAME)):
+        stage.far_end(sent[k * step:(k + 1) * step], tx_rate)
+        stage.process(mic[k * 2 * FRAME:(k + 1) * 2 * FRAME])
+    assert stage.counters.double_talk_frames == 0, "the echo alone was taken for the caller"
+    assert stage.counters.onset_frames == 0
+    stage.close()
