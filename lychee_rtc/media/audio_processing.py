@@ -455,11 +455,11 @@ class AudioProcessingStage:
         self._leaking = self._leaking + 1 if through else 0
         # Right after a trim, AEC3 lets the echo through as it relearns: the linear estimate must agree.
         aec3 = self._leaking >= DOUBLE_TALK_FRAMES and (not self._relearning() or all(self._shown))
-        # ... or the linear estimate shows them beyond doubt, while AEC3 still takes them down.
-        # ... the estimate's certainty, too, only at full voice: in the agent's pauses on a line without
-        # noise, the room's tail beyond the filter's reach is all of the line (-50 to -75 dBFS), over
-        # what the filter expects and unlike the far end at one lag. Taken for the caller there, it
-        # handed the engine the echo's tail nine times a minute on each leg (``bench aec``: ERLE p10 39.5 -> 36 dB).
+        # ... or the linear estimate shows them beyond doubt, while AEC3 still takes them down; at full voice
+        # only, as AEC3's rule: in the agent's pauses on a line without noise the room's tail beyond the
+        # filter's reach is all of the line (-50 to -75 dBFS), over what the filter expects and unlike the
+        # far end at one lag. Taken for the caller there, it handed the engine the echo's tail nine times a
+        # minute on each leg (``bench aec``: ERLE p10 39.5 -> 36 dB).
         if aec3 or (certain and loud and not self._relearning()):
             self._talk_left = DOUBLE_TALK_HOLD_FRAMES
             self.counters.double_talk_frames += 1
