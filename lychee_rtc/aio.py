@@ -99,21 +99,27 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task | None], timeout: float) 
     return all(t.done() for t in pending)
 
 
-def spawn_kept(coro: Coroutine[Any, Any, Any], keep: set[asyncio.Task], what: str) -> asyncio.Task:
-    """Run ``coro`` as a task held in ``keep`` until it ends; its failure is logged (WARNING), its
-    cancellation ignored.
+def spawn_kept(coro: Coroutine[Any, Any, Any], keep: set[asyncio.Task], what: str,
+               expected: tuple[type[BaseException], ...] = ()) -> asyncio.Task:
+    """Run ``coro`` as a task held in ``keep`` until it ends, and retrieve its outcome: a failure in
+    ``expected`` (a peer gone meanwhile) is dropped (DEBUG), any other is reported to the loop's
+    exception handler as an unretrieved one would be, and a cancellation is ignored.
 
-    For work started from a callback that nobody awaits (a close triggered by a protocol event):
-    the loop holds tasks only weakly, so a bare ``ensure_future`` may be collected mid-flight, and
-    one that fails leaves "Task exception was never retrieved". The owner of ``keep`` may await
-    what is still in it when it stops."""
+    For work started from a callback that nobody awaits (a close triggered by a protocol event, a
+    reply sent from a timer): the loop holds tasks only weakly, so a bare ``ensure_future`` may be
+    collected mid-flight, and one that fails is reported only when collected, if at all. The owner
+    of ``keep`` may await what is still in it when it stops."""
     task = asyncio.ensure_future(coro)
     keep.add(task)
-    task.add_done_callback(functools.partial(_forget, keep, what))
+    task.add_done_callback(functools.partial(_forget, keep, what, expected))
     return task
 
 
-def _forget(keep: set[asyncio.Task], what: str, task: asyncio.Task) -> None:
+def _forget(keep: set[asyncio.Task], what: str, expected: tuple[type[BaseException], ...], task: asyncio.Task) -> None:
     keep.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("%s failed: %r", what, task.exception())
+    if task.cancelled() or (error := task.exception()) is None:
+        return
+    if isinstance(error, expected):
+        log.debug("%s failed as it may: %r", what, error)
+    else:
+        task.get_loop().call_exception_handler({"message": f"{what} failed", "exception": error, "future": task})

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from lychee_rtc.aio import spawn_kept
 from lychee_rtc.telephony.g711 import g711_decode, g711_encode, pcm16_decode, pcm16_encode
 
 
@@ -98,7 +99,7 @@ class CarrierEmulator:
         self._seq = 0
         self._sent_samples = 0
         self.closed = asyncio.Event()
-        self._replies: set[asyncio.Future] = set()  # replies sent from a timer or the reader, in flight
+        self._replies: set[asyncio.Task] = set()  # replies sent from a timer or the reader, in flight
 
     # --- connection ------------------------------------------------------------------------------
 
@@ -134,18 +135,7 @@ class CarrierEmulator:
         """Send ``frame`` without waiting for it (from a timer or the reader). The server may close the
         stream while it is on its way, as a real carrier's reply is then lost; so is this one, and not left
         as an error on a task no one awaits. Anything else is reported as such a task's would be."""
-        task = asyncio.ensure_future(self.send_json(frame))
-        self._replies.add(task)
-        task.add_done_callback(self._replied)
-
-    def _replied(self, task: asyncio.Future) -> None:
-        self._replies.discard(task)
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None and not isinstance(error, ConnectionError):
-            asyncio.get_running_loop().call_exception_handler(
-                {"message": "a carrier emulator's reply failed", "exception": error, "future": task})
+        spawn_kept(self.send_json(frame), self._replies, "a carrier emulator's reply", expected=(ConnectionError,))
 
     async def send_raw(self, data: str | bytes) -> None:
         assert self._ws is not None
