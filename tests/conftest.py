@@ -170,6 +170,19 @@ def free_port() -> int:
 
 
 @asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """A bare aiohttp ``app`` served on a free local port: its base URL, until the block ends."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
 async def running_server(config: str = "configs/echo.yaml", **overrides: Any) -> AsyncIterator[tuple[str, web.Application]]:
     port = free_port()
     merged: dict[str, Any] = {"server": {"port": port}}

@@ -11,7 +11,7 @@ import json
 
 import aiohttp
 import pytest
-from conftest import free_port
+from conftest import free_port, serving
 
 from lychee_rtc.cluster.fleet import Fleet, NoPlacement
 from lychee_rtc.cluster.ids import is_worker_id, session_prefix, worker_of
@@ -134,21 +134,14 @@ async def test_a_refused_websocket_handshake_comes_back_as_a_json_error():
                                  headers={"WWW-Authenticate": "Bearer", "X-Other": "1"})
     app = web.Application()
     app.router.add_get("/ws", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            for status, code in ((401, "unauthorized"), (404, "not_found"), (409, "conflict"), (418, "refused")):
-                with pytest.raises(aiohttp.WSServerHandshakeError) as caught:
-                    await http.ws_connect(f"http://127.0.0.1:{port}/ws?status={status}")
-                response = refused_handshake(caught.value)
-                assert response.status == status and response.content_type == "application/json"
-                assert json.loads(response.body)["error"]["code"] == code
-                assert response.headers["WWW-Authenticate"] == "Bearer" and "X-Other" not in response.headers
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as http:
+        for status, code in ((401, "unauthorized"), (404, "not_found"), (409, "conflict"), (418, "refused")):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as caught:
+                await http.ws_connect(f"{url}/ws?status={status}")
+            response = refused_handshake(caught.value)
+            assert response.status == status and response.content_type == "application/json"
+            assert json.loads(response.body)["error"]["code"] == code
+            assert response.headers["WWW-Authenticate"] == "Bearer" and "X-Other" not in response.headers
 
 
 async def test_a_worker_that_stops_answering_is_down_and_a_new_process_counts_as_a_restart():

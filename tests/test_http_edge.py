@@ -6,16 +6,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from conftest import free_port
+from conftest import serving
 from lychee_rtc.server import http
-
-
-async def serve(app: web.Application):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
 
 
 async def test_a_refused_body_is_answered_by_the_edge_with_the_shared_error_body():
@@ -24,8 +16,7 @@ async def test_a_refused_body_is_answered_by_the_edge_with_the_shared_error_body
 
     app = web.Application(middlewares=[http.edge_middleware(lambda request: ["https://page.example"])])
     app.router.add_post("/note", echo_text)
-    runner, url = await serve(app)
-    try:
+    async with serving(app) as url:
         async with aiohttp.ClientSession() as client:
             async with client.post(f"{url}/note", data=b"x" * 100) as resp:
                 assert resp.status == 413
@@ -38,8 +29,6 @@ async def test_a_refused_body_is_answered_by_the_edge_with_the_shared_error_body
                 assert resp.headers["Access-Control-Allow-Origin"] == "https://page.example"
             async with client.post(f"{url}/note", data=b"fine") as resp:
                 assert resp.status == 200 and await resp.text() == "fine"
-    finally:
-        await runner.cleanup()
 
 
 async def test_every_answer_varies_by_origin_and_every_error_is_json():
@@ -51,8 +40,7 @@ async def test_every_answer_varies_by_origin_and_every_error_is_json():
 
     app = web.Application(middlewares=[http.edge_middleware(lambda request: ["https://page.example"])])
     app.router.add_get("/fine", fine)
-    runner, url = await serve(app)
-    try:
+    async with serving(app) as url:
         async with aiohttp.ClientSession() as client:
             for origin in ("https://page.example", "https://elsewhere.example", None):
                 headers = {"Origin": origin} if origin else {}
@@ -65,8 +53,6 @@ async def test_every_answer_varies_by_origin_and_every_error_is_json():
                             assert (await resp.json())["error"]["code"]
                         allowed = resp.headers.get("Access-Control-Allow-Origin")
                         assert allowed == (origin if origin == "https://page.example" else None)
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.allowed_logs(r"GET /broken: internal error")
@@ -76,15 +62,12 @@ async def test_an_unexpected_fault_is_a_logged_json_500():
 
     app = web.Application(middlewares=[http.edge_middleware(lambda request: [])])
     app.router.add_get("/broken", broken)
-    runner, url = await serve(app)
-    try:
+    async with serving(app) as url:
         async with aiohttp.ClientSession() as client:
             async with client.get(f"{url}/broken") as resp:
                 assert resp.status == 500
                 assert (await resp.json())["error"] == {"type": "server_error", "code": "internal_error",
                                                         "message": "the server failed to handle this request"}
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_file_answer_refuses_with_the_json_error_body(tmp_path):
@@ -98,8 +81,7 @@ async def test_a_file_answer_refuses_with_the_json_error_body(tmp_path):
 
     app = web.Application(middlewares=[http.edge_middleware(lambda request: [])])
     app.router.add_get("/file", serve_file)
-    runner, url = await serve(app)
-    try:
+    async with serving(app) as url:
         async with aiohttp.ClientSession() as client:
             async with client.get(f"{url}/file", headers={"Range": "bytes=10-19"}) as resp:
                 assert resp.status == 206 and await resp.read() == bytes(range(10, 20))
@@ -112,5 +94,3 @@ async def test_a_file_answer_refuses_with_the_json_error_body(tmp_path):
                         assert resp.headers["Content-Range"] == "bytes */100"
             async with client.get(f"{url}/file") as resp:
                 assert resp.status == 200 and len(await resp.read()) == 100
-    finally:
-        await runner.cleanup()

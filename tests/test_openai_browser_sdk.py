@@ -24,7 +24,7 @@ from typing import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import free_port, running_server
+from conftest import free_port, running_server, serving
 from playwright.async_api import Page
 from test_browser import SPEECH_RMS, chromium, write_mic_wav
 from test_openai_realtime import KEY, assert_ga_events_valid
@@ -68,14 +68,8 @@ async def page_origin(bundle: Path) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/", page)
     app.router.add_get("/sdk.js", sdk)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def until(page: Page, expression: str, timeout: float = 30.0, arg=None):

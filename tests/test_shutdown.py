@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import free_port, running_server, wait_until
+from conftest import free_port, running_server, serving, wait_until
 from log_guard import offending_lines
 from recording_support import decode
 from lychee_rtc.bench.client import RtcClient
@@ -262,16 +262,9 @@ async def test_a_websocket_adopted_after_shutdown_began_is_closed_going_away_and
 
     app = web.Application()
     app.router.add_get("/ws", late_socket)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as http, http.ws_connect(f"http://127.0.0.1:{port}/ws") as ws:
-            message = await asyncio.wait_for(ws.receive(), 10)
-            assert message.type == WSMsgType.CLOSE and message.data == CLOSE_GOING_AWAY
-            assert adopted.is_set()
-            await lifecycle.stop(asyncio.get_running_loop().time() + 5)
-            assert lifecycle._late_closes == set()
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as http, http.ws_connect(f"{url}/ws") as ws:
+        message = await asyncio.wait_for(ws.receive(), 10)
+        assert message.type == WSMsgType.CLOSE and message.data == CLOSE_GOING_AWAY
+        assert adopted.is_set()
+        await lifecycle.stop(asyncio.get_running_loop().time() + 5)
+        assert lifecycle._late_closes == set()
