@@ -496,6 +496,38 @@ def test_an_estimate_that_predicts_an_echo_the_line_does_not_hold_is_not_taken_f
     assert run.start_s is not None and run.start_s < 0.0, "the barge-in itself is heard"
 
 
+def test_a_caller_as_loud_as_the_echo_is_heard_while_the_estimate_is_young():
+    # The bench's first barge-in (0.8 s into the agent's first words) on a 250 ms WebRTC path with the echo as
+    # loud as the caller: the echo is found 0.36 s after the agent's first sound and the linear estimate, not
+    # trusted yet, showed nothing; the line stood at the echo's ceiling, not over it, and AEC3 took the caller
+    # down for 0.7 s (the engine heard them 704 ms late, and its answer matched what they said 0.24).
+    agent = np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS])
+    agent = at_level(np.tile(agent, 3), 0.1)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    rir = room_impulse_response(RATE)
+    reference = bargein.run_once(None, 48000, None, 250.0, None, 0.8, agent, caller, rir)  # processing off, no echo
+    run = bargein.run_once(bargein.PHONE_LEG, 48000, 0.0, 250.0, 25.0, 0.8, agent, caller, rir)
+    assert reference.start_s is not None and run.start_s is not None, "the barge-in is heard"
+    # Confirmed 120 ms after they began, it is handed on from the first of the 100 ms the test looked at: two of
+    # the VAD's 32 ms chunks late at most (the line before that run may be the echo at full voice).
+    assert run.start_s - reference.start_s <= 0.064, f"{1000 * (run.start_s - reference.start_s):.0f} ms late"
+    assert run.self_interruptions == 0
+    assert run.answer_match is not None and run.answer_match > 0.8
+
+
+def test_a_young_estimate_over_a_faint_echo_does_not_take_the_room_for_the_caller():
+    # The echo 20 dB under the caller (5-8 dB over the room's noise) on a 250 ms phone leg: the young estimate's
+    # residual is mostly the noise, unlike the far end whoever speaks (0.25 at the echo's loudest), and asked
+    # there it took the echo for the caller 0.9 s into the agent's speech: the agent cut itself off.
+    agent = resample(resample(at_level(np.tile(np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS]),
+                                               3), 0.1), RATE, 8000), 8000, RATE)
+    caller = resample(resample(at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1), RATE, 8000), 8000, RATE)
+    run = bargein.run_once(bargein.PHONE_LEG, 8000, -20.0, 250.0, 25.0, 9.33, agent, caller,
+                           room_impulse_response(RATE))
+    assert run.self_interruptions == 0, "the agent's own echo started the engine's VAD before the barge-in"
+    assert run.start_s is not None and run.start_s < 0.0, "the barge-in itself is heard"
+
+
 @pytest.mark.parametrize("tx_rate", [48000, 8000])
 def test_the_echos_tail_in_the_agents_pauses_is_not_taken_for_the_caller(tx_rate):
     # The speakerphone of bench aec without the room's noise: in the agent's pauses the room's tail beyond

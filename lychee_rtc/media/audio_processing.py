@@ -45,7 +45,7 @@ import numpy as np
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.apm_frames import ApmFrames
 from lychee_rtc.media.caller_onset import OnsetWitness, find_onset
-from lychee_rtc.media.echo_estimate import FrameEstimate, LinearEchoEstimate
+from lychee_rtc.media.echo_estimate import CERTAIN_WINDOW_FRAMES, FrameEstimate, LinearEchoEstimate
 from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
 from lychee_rtc.session.processing import ProcessingUnavailable
@@ -164,6 +164,7 @@ class AudioProcessingStage:
         self._lag_moved: tuple[float, float] | None = None
         self._shown: deque[bool] = deque(maxlen=DOUBLE_TALK_FRAMES)  # the linear estimate showed the caller
         self._strong_frames = 0  # ... beyond doubt: the run of frames that showed them so
+        self._by_run = False  # ... confirmed by the young estimate's residual over a run at full voice
         self._revision = np.zeros(0, np.float32)  # replaces the end of what was handed on before
         self._pending_onset: np.ndarray | None = None  # ... as found in the frame just processed
         self._held = np.zeros(0, np.float32)  # uplink short of a 10 ms frame
@@ -374,7 +375,9 @@ class AudioProcessingStage:
         # down for as long, and nothing else knows the echo. A caller beyond doubt there is at full voice and
         # unlike the far end at every lag an echo could have (``_caller_over_echo``).
         unknown = settling and estimate is None
-        talking = (found or settling) and self._caller_over_echo(cancelled_power, certain, unknown)
+        # Found, the estimate placed and not trusted yet: a caller as loud as the echo is the line near its ceiling.
+        young = estimate is not None and estimate.near_ceiling
+        talking = (found or settling) and self._caller_over_echo(cancelled_power, certain, unknown, young)
         echo = (found or settling) and not talking
         was, self._cancelling = self._cancelling, echo
         if echo:
@@ -415,9 +418,12 @@ class AudioProcessingStage:
         from AEC3's near silence it kept the engine's VAD under its threshold for its first 32 ms over
         the caller (0.39-0.44, whole 0.55-0.67: docs/benchmarks.md, ``bench bargein``). Where only AEC3's
         output rose (``media/caller_onset.py``), from ``ONSET_AHEAD_FRAMES`` before it, crossfaded in over
-        the first (whole, a WebRTC barge-in of the bench came 32 ms later)."""
+        the first (whole, a WebRTC barge-in of the bench came 32 ms later). Where the young estimate's residual
+        over a run at full voice confirmed them, from the first frame of what that test looked at, whole."""
         recent = list(self._recent)
         first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)
+        if self._by_run:  # from the first frame of the run the test looked at (this frame is its last)
+            first, by_estimate = max(0, len(recent) - self._strong_frames + 1), True
         if first == len(recent):
             return np.zeros(0, np.float32)
         if not by_estimate:  # found where AEC3 already let them through: they began before
@@ -428,7 +434,8 @@ class AudioProcessingStage:
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 
-    def _caller_over_echo(self, cancelled_power: float, certain: bool = False, unknown: bool = False) -> bool:
+    def _caller_over_echo(self, cancelled_power: float, certain: bool = False, unknown: bool = False,
+                          young: bool = False) -> bool:
         """Double talk: the caller speaks over the echo. AEC3 takes an echo alone 30-40 dB down; what
         comes through it within 10 dB of its input, three frames running, is the caller.
         The engine then hears the line as it is (echo and all, as without processing) rather than
@@ -437,8 +444,11 @@ class AudioProcessingStage:
         ``DOUBLE_TALK_HOLD_FRAMES`` after it stops. Or the linear estimate shows them beyond doubt
         (``certain``); or, where the echo is not found yet (``unknown``: settling, the estimate not placed),
         the line at full voice ``UNKNOWN_ECHO_FRAMES`` running is unlike the far end at every lag an echo
-        could have (what ``find_onset`` then takes as the run's strength)."""
+        could have (what ``find_onset`` then takes as the run's strength); or, where the echo was found and the
+        estimate placed but not trusted yet (``young``: the line near the echo's ceiling, ``echo_estimate``),
+        the estimate's residual over such a run is unlike the far end around the echo's lag."""
         level_in = self._levels[-1]
+        self._by_run = False
         # Only speech at full voice: well above the line's noise, which AEC3 leaves as it is (the
         # least level of the last two seconds), and near the loudest of the last second, not the
         # quiet ends of the echo's words, which AEC3 takes down less.
@@ -452,6 +462,12 @@ class AudioProcessingStage:
             certain = self._estimate.line_likeness(self._loud_run) < UNLIKE_FAR_END
             if certain:
                 self._strong_frames = self._loud_run
+        if young and self._loud_run >= UNKNOWN_ECHO_FRAMES and not certain:
+            assert self._estimate is not None
+            certain = self._estimate.echo_likeness(self._loud_run) < UNLIKE_FAR_END
+            if certain:  # as far back as the test looked: a run may begin with the echo at full voice
+                self._strong_frames = min(self._loud_run, CERTAIN_WINDOW_FRAMES)
+                self._by_run = True
         self._leaking = self._leaking + 1 if through else 0
         # Right after a trim, AEC3 lets the echo through as it relearns: the linear estimate must agree.
         aec3 = self._leaking >= DOUBLE_TALK_FRAMES and (not self._relearning() or all(self._shown))

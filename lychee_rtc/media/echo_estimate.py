@@ -30,6 +30,9 @@ reached it (``_learn_held_ceiling``), not from where the search found it: on a f
 second into the agent's first words, when a caller barging in may already be talking. A line far over that,
 unlike the far end, is the caller beyond doubt too (AEC3, in its first second, takes even a caller 20 dB
 over the echo down for 150 ms).
+A caller as loud as the echo stands within 3 dB of that ceiling, not over it: there (``near_ceiling``), on an
+echo well over the room's noise, the stage asks whether the young filter's residual is unlike the far end
+(``echo_likeness``).
 
 Before the filter is placed, the line is kept as the residual, so that the stage can ask whether it is like
 the far end at any lag (``line_likeness``): with the echo not found yet, a caller is not.
@@ -87,6 +90,15 @@ HELD_FRAMES = 100
 HELD_OF_LOUDEST = 0.1  # ... from the frames where the far end's loudest was within 10 dB of what it is now
 OVER_CEILING = 10.0
 ABOVE_CEILING = 2.0
+# ... but a caller as loud as the echo puts the line at most 3 dB over it, and on a long echo path the filter is
+# still young when the agent's first words are barged into (250 ms: placed 0.36 s after the agent's first sound,
+# 4-6 dB of echo taken out 0.4 s later, short of the 7 dB that trusts it; AEC3 took the caller down 0.7 s). There
+# the young filter's residual answers (``FrameEstimate.near_ceiling``, asked by the stage): the line within 3 dB
+# of the ceiling or over it, where the echo's ceiling stands 18 dB over the line's noise. Under that, the residual
+# is mostly the room's noise, unlike the far end whoever speaks (the echo 20 dB under the caller: 0.25 at its
+# loudest, and the agent cut itself off).
+NEAR_CEILING = 10 ** (-3 / 10)
+CEILING_OVER_NOISE = 10 ** (18 / 10)
 
 
 @dataclass
@@ -108,6 +120,7 @@ class FrameEstimate:
     certain: bool = False  # the caller beyond doubt (see CERTAIN_OVER_EXPECTED)
     strong_frames: int = 0  # frames running, this one included, with the residual that strong
     above_ceiling: bool = False  # not trusted yet, the line over what the echo alone has reached (the caller)
+    near_ceiling: bool = False  # not trusted yet, the line near that, on an echo well over the noise (NEAR_CEILING)
 
     @property
     def caller(self) -> bool:
@@ -223,6 +236,8 @@ class LinearEchoEstimate:
         # The line's noise: the least residual, rising slowly (the agent's pauses are seldom silent).
         self._noise = residual_power if self._noise is None else min(self._noise * NOISE_RISE, residual_power)
         noise = self._noise if self._noise is not None else 0.0
+        near = (not self._trusted and ratio is not None and self._ceiling_frames >= CEILING_LEARNT_FRAMES
+                and ratio > NEAR_CEILING * self._ceiling and self._ceiling * loudest > CEILING_OVER_NOISE * noise)
         expected = self._misadjustment * estimate_power + noise
         # Once trusted, it stays trusted while it takes out 4 dB: the misadjustment wanders above the
         # mark as the agent's voice moves on in its first second, and it is calibrated by it anyway.
@@ -267,7 +282,7 @@ class LinearEchoEstimate:
         self._certain_run = self._certain_run + 1 if strong else 0
         certain = self._certain_run >= CERTAIN_FRAMES and self.echo_likeness() < ECHO_LIKE
         return FrameEstimate(e.astype(np.float32), residual_power, line_power, expected,
-                             converged and not self._retraining, certain, self._certain_run, above)
+                             converged and not self._retraining, certain, self._certain_run, above, near)
 
     def _against_ceiling(self, ratio: float | None, far_power: float) -> tuple[bool, bool]:
         """Not trusted yet: whether the line, at ``ratio`` over the far end's loudest in the history (None:
@@ -300,14 +315,14 @@ class LinearEchoEstimate:
             if loudest >= max(REFERENCE_FLOOR, HELD_OF_LOUDEST * top):
                 self._against_ceiling(line / loudest, held[j - lag][2])
 
-    def echo_likeness(self) -> float:
-        """The highest normalised correlation of the residual's run of strong frames (at least
-        ``CERTAIN_FRAMES``, at most ``CERTAIN_WINDOW_FRAMES``) with the far end, at every lag from
-        ``CERTAIN_SEARCH_S`` ahead of the filter's reach to as far behind it."""
+    def echo_likeness(self, frames: int | None = None) -> float:
+        """The highest normalised correlation of the residual's last ``frames`` (default: its run of strong
+        frames; at least ``CERTAIN_FRAMES``, at most ``CERTAIN_WINDOW_FRAMES``) with the far end, at every lag
+        from ``CERTAIN_SEARCH_S`` ahead of the filter's reach to as far behind it."""
         if self._delay is None:
             return 1.0
         search = int(CERTAIN_SEARCH_S * self.rate)
-        return self._likeness(self._certain_run, max(self._delay - search, 0),
+        return self._likeness(self._certain_run if frames is None else frames, max(self._delay - search, 0),
                               self._delay + self.partitions * self.frame + search)
 
     def line_likeness(self, frames: int) -> float:
