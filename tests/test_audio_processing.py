@@ -528,6 +528,22 @@ def test_a_young_estimate_over_a_faint_echo_does_not_take_the_room_for_the_calle
     assert run.start_s is not None and run.start_s < 0.0, "the barge-in itself is heard"
 
 
+def test_a_young_estimate_does_not_take_a_clipping_loudspeaker_for_the_caller(monkeypatch):
+    # The bench's room with a loudspeaker that clips the agent's peaks (harder than the estimate's own harness),
+    # the echo 10 dB under the caller, 40 ms, on a phone leg: the young filter learns the echo's linear part, and
+    # the far end's odd harmonics it leaves are unlike the far end (0.21-0.25) but like its cube; taken for the
+    # caller, the agent cut itself off half a second after the echo was found.
+    heard = bargein.EchoPath.hear
+    monkeypatch.setattr(bargein.EchoPath, "hear", lambda self, x: heard(self, (np.tanh(5 * x) / 5).astype(np.float32)))
+    agent = resample(resample(at_level(np.tile(np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS]),
+                                               3), 0.1), RATE, 8000), 8000, RATE)
+    caller = resample(resample(at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1), RATE, 8000), 8000, RATE)
+    run = bargein.run_once(bargein.PHONE_LEG, 8000, -10.0, 40.0, 25.0, 2.93, agent, caller,
+                           room_impulse_response(RATE))
+    assert run.self_interruptions == 0, "the clipped echo started the engine's VAD before the barge-in"
+    assert run.start_s is not None and run.start_s < 0.0, "the barge-in itself is heard"
+
+
 @pytest.mark.parametrize("tx_rate", [48000, 8000])
 def test_the_echos_tail_in_the_agents_pauses_is_not_taken_for_the_caller(tx_rate):
     # The speakerphone of bench aec without the room's noise: in the agent's pauses the room's tail beyond

@@ -446,7 +446,7 @@ class AudioProcessingStage:
         the line at full voice ``UNKNOWN_ECHO_FRAMES`` running is unlike the far end at every lag an echo
         could have (what ``find_onset`` then takes as the run's strength); or, where the echo was found and the
         estimate placed but not trusted yet (``young``: the line near the echo's ceiling, ``echo_estimate``),
-        the estimate's residual over such a run is unlike the far end around the echo's lag."""
+        the estimate's residual over such a run is unlike the far end (and its cube) around the echo's lag."""
         level_in = self._levels[-1]
         self._by_run = False
         # Only speech at full voice: well above the line's noise, which AEC3 leaves as it is (the
@@ -464,7 +464,7 @@ class AudioProcessingStage:
                 self._strong_frames = self._loud_run
         if young and self._loud_run >= UNKNOWN_ECHO_FRAMES and not certain:
             assert self._estimate is not None
-            certain = self._estimate.echo_likeness(self._loud_run) < UNLIKE_FAR_END
+            certain = self._estimate.young_likeness(self._loud_run) < UNLIKE_FAR_END
             if certain:  # as far back as the test looked: a run may begin with the echo at full voice
                 self._strong_frames = min(self._loud_run, CERTAIN_WINDOW_FRAMES)
                 self._by_run = True
