@@ -99,10 +99,10 @@ ABOVE_CEILING = 2.0
 # loudest, and the agent cut itself off).
 NEAR_CEILING = 10 ** (-3 / 10)
 CEILING_OVER_NOISE = 10 ** (18 / 10)
-# ... and only for the filter's first 1.5 s from where it was placed: a room's echo is trusted within about a
+# ... and only for the filter's first 1.2 s from where it was placed: a room's echo is trusted within about a
 # second; a filter still not trusted then is not learning a linear echo (a loudspeaker that clips hard), and its
 # residual, the distortion, is unlike the far end whoever speaks.
-YOUNG_FRAMES = 150
+YOUNG_FRAMES = 120
 
 
 @dataclass
