@@ -16,6 +16,7 @@ from test_openai_realtime import AUTH, KEY, open_call
 from test_telephony import phone_server
 
 from lychee_rtc.bench import bargein
+from lychee_rtc.bench import aec as aec_bench
 from lychee_rtc.bench.aec import AGENT_WAVS, CALLER_WAV, FIXTURES, at_level, read_wav, resample
 from lychee_rtc.bench.client import RtcClient
 from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
@@ -566,3 +567,14 @@ def test_the_echos_tail_in_the_agents_pauses_is_not_taken_for_the_caller(tx_rate
     assert stage.counters.double_talk_frames == 0, "the echo alone was taken for the caller"
     assert stage.counters.onset_frames == 0
     stage.close()
+
+
+def test_bench_aec_gives_no_erle_for_a_block_the_echo_has_not_reached_yet():
+    # Speech activity is widened by 50 ms, so on a long echo path the block before the echo's first sound counts
+    # as the agent speaking: its ERLE was log10(0) (a RuntimeWarning, and convergence reported a block late).
+    n = int(aec_bench.BLOCK_S * RATE)
+    reference = np.concatenate([np.zeros(n), np.full(n, 0.1)]).astype(np.float32)
+    processed = reference * np.float32(0.01)
+    blocks = aec_bench.blocks_db(reference, processed, np.ones(len(reference), bool))
+    assert [t for t, _ in blocks] == [aec_bench.BLOCK_S]
+    assert blocks[0][1] == pytest.approx(40.0)

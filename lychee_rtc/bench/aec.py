@@ -102,6 +102,8 @@ def blocks_db(reference: np.ndarray, processed: np.ndarray, active: np.ndarray) 
         if not active[i:i + n].any():
             continue
         e_in = float(np.mean(reference[i:i + n] ** 2))
+        if e_in == 0.0:  # nothing to take out yet (the agent's first word has not come back): no ratio
+            continue
         e_out = max(float(np.mean(processed[i:i + n] ** 2)), 1e-12)
         out.append((i / RATE, 10 * np.log10(e_in / e_out)))
     return out
