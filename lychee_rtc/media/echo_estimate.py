@@ -32,7 +32,7 @@ unlike the far end, is the caller beyond doubt too (AEC3, in its first second, t
 over the echo down for 150 ms).
 A caller as loud as the echo stands within 3 dB of that ceiling, not over it: there (``near_ceiling``), on an
 echo well over the room's noise, the stage asks whether the young filter's residual is unlike the far end
-(``echo_likeness``).
+(``young_likeness``).
 
 Before the filter is placed, the line is kept as the residual, so that the stage can ask whether it is like
 the far end at any lag (``line_likeness``): with the echo not found yet, a caller is not.
@@ -322,15 +322,29 @@ class LinearEchoEstimate:
             if loudest >= max(REFERENCE_FLOOR, HELD_OF_LOUDEST * top):
                 self._against_ceiling(line / loudest, held[j - lag][2])
 
-    def echo_likeness(self, frames: int | None = None) -> float:
-        """The highest normalised correlation of the residual's last ``frames`` (default: its run of strong
-        frames; at least ``CERTAIN_FRAMES``, at most ``CERTAIN_WINDOW_FRAMES``) with the far end, at every lag
-        from ``CERTAIN_SEARCH_S`` ahead of the filter's reach to as far behind it."""
+    def echo_likeness(self) -> float:
+        """The highest normalised correlation of the residual's run of strong frames (at least
+        ``CERTAIN_FRAMES``, at most ``CERTAIN_WINDOW_FRAMES``) with the far end, at every lag from
+        ``CERTAIN_SEARCH_S`` ahead of the filter's reach to as far behind it."""
         if self._delay is None:
             return 1.0
+        return self._likeness(self._certain_run, *self._around_echo())
+
+    def young_likeness(self, frames: int) -> float:
+        """As ``echo_likeness``, of the residual's last ``frames``, or the same against the far end cubed where
+        that is higher: a young filter has learnt the echo's linear part only, and a loudspeaker that clips leaves
+        the far end's odd harmonics in its residual, unlike the far end (0.21-0.25 over the bench's voices, the
+        echo as loud or 10 dB under) but like its cube (0.29-0.48; a caller 0.07-0.24)."""
+        if self._delay is None:
+            return 1.0
+        lags = self._around_echo()
+        return max(self._likeness(frames, *lags), self._likeness(frames, *lags, cubed=True))
+
+    def _around_echo(self) -> tuple[int, int]:
+        """The nearest and farthest lags (samples) the likeness tests search, the filter placed."""
+        assert self._delay is not None
         search = int(CERTAIN_SEARCH_S * self.rate)
-        return self._likeness(self._certain_run if frames is None else frames, max(self._delay - search, 0),
-                              self._delay + self.partitions * self.frame + search)
+        return max(self._delay - search, 0), self._delay + self.partitions * self.frame + search
 
     def line_likeness(self, frames: int) -> float:
         """Not placed yet (the echo not found): the highest normalised correlation of the line's last
@@ -339,17 +353,6 @@ class LinearEchoEstimate:
         if self._delay is not None:
             return 1.0
         return self._likeness(frames, 0, len(self._history))
-
-    def young_likeness(self, frames: int) -> float:
-        """``echo_likeness`` of the residual's last ``frames``, or the same against the far end cubed where that is
-        higher: a young filter has learnt the echo's linear part only, and a loudspeaker that clips leaves the far
-        end's odd harmonics in its residual, unlike the far end (0.21-0.25 over the bench's voices, the echo as
-        loud or 10 dB under) but like its cube (0.29-0.48; a caller 0.07-0.24)."""
-        if self._delay is None:
-            return 1.0
-        search = int(CERTAIN_SEARCH_S * self.rate)
-        nearest, farthest = max(self._delay - search, 0), self._delay + self.partitions * self.frame + search
-        return max(self._likeness(frames, nearest, farthest), self._likeness(frames, nearest, farthest, cubed=True))
 
     def _likeness(self, frames: int, nearest: int, farthest: int, cubed: bool = False) -> float:
         # Only the run of strong frames (up to the window): the echo's leftovers before it would dilute it.
