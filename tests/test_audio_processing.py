@@ -488,9 +488,7 @@ def test_an_estimate_that_predicts_an_echo_the_line_does_not_hold_is_not_taken_f
     # the agent and 250 ms away: 3.75 s into the agent's speech, where the line went quiet after a pause in
     # the agent's voice, the linear estimate left a residual 6-11 dB over the line three frames running, and
     # it was taken for the caller beyond doubt: the engine heard the echo and the agent cut itself off.
-    agent = np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS])
-    agent = at_level(np.tile(agent, 3), 0.1)
-    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    agent, caller = bargein.voices(48000)
     run = bargein.run_once(bargein.PHONE_LEG, 48000, 0.0, 250.0, 25.0, 5.07, agent, caller,
                            room_impulse_response(RATE))
     assert run.self_interruptions == 0, "the agent's own echo started the engine's VAD before the barge-in"
@@ -502,9 +500,7 @@ def test_a_caller_as_loud_as_the_echo_is_heard_while_the_estimate_is_young():
     # loud as the caller: the echo is found 0.36 s after the agent's first sound and the linear estimate, not
     # trusted yet, showed nothing; the line stood at the echo's ceiling, not over it, and AEC3 took the caller
     # down for 0.7 s (the engine heard them 704 ms late, and its answer matched what they said 0.24).
-    agent = np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS])
-    agent = at_level(np.tile(agent, 3), 0.1)
-    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1)
+    agent, caller = bargein.voices(48000)
     rir = room_impulse_response(RATE)
     reference = bargein.run_once(None, 48000, None, 250.0, None, 0.8, agent, caller, rir)  # processing off, no echo
     run = bargein.run_once(bargein.PHONE_LEG, 48000, 0.0, 250.0, 25.0, 0.8, agent, caller, rir)
@@ -520,9 +516,7 @@ def test_a_young_estimate_over_a_faint_echo_does_not_take_the_room_for_the_calle
     # The echo 20 dB under the caller (5-8 dB over the room's noise) on a 250 ms phone leg: the young estimate's
     # residual is mostly the noise, unlike the far end whoever speaks (0.25 at the echo's loudest), and asked
     # there it took the echo for the caller 0.9 s into the agent's speech: the agent cut itself off.
-    agent = resample(resample(at_level(np.tile(np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS]),
-                                               3), 0.1), RATE, 8000), 8000, RATE)
-    caller = resample(resample(at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1), RATE, 8000), 8000, RATE)
+    agent, caller = bargein.voices(8000)
     run = bargein.run_once(bargein.PHONE_LEG, 8000, -20.0, 250.0, 25.0, 9.33, agent, caller,
                            room_impulse_response(RATE))
     assert run.self_interruptions == 0, "the agent's own echo started the engine's VAD before the barge-in"
@@ -536,9 +530,7 @@ def test_a_young_estimate_does_not_take_a_clipping_loudspeaker_for_the_caller(mo
     # caller, the agent cut itself off half a second after the echo was found.
     heard = bargein.EchoPath.hear
     monkeypatch.setattr(bargein.EchoPath, "hear", lambda self, x: heard(self, (np.tanh(5 * x) / 5).astype(np.float32)))
-    agent = resample(resample(at_level(np.tile(np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS]),
-                                               3), 0.1), RATE, 8000), 8000, RATE)
-    caller = resample(resample(at_level(read_wav(FIXTURES / CALLER_WAV, RATE), 0.1), RATE, 8000), 8000, RATE)
+    agent, caller = bargein.voices(8000)
     run = bargein.run_once(bargein.PHONE_LEG, 8000, -10.0, 40.0, 25.0, 2.93, agent, caller,
                            room_impulse_response(RATE))
     assert run.self_interruptions == 0, "the clipped echo started the engine's VAD before the barge-in"

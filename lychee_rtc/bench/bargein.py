@@ -160,14 +160,21 @@ def _summary(c: Configuration) -> dict[str, Any]:
             "answer_match_median": round(float(np.median(matches)), 3) if matches else None}
 
 
-def _main(args: argparse.Namespace) -> int:
-    leg_rate = 8000 if args.leg == "phone" else 48000
+def voices(leg_rate: int, speech_rms: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """The bench's agent (its three fixtures three times over) and caller at ``speech_rms``, at the stage's
+    rate; on a phone leg (``leg_rate`` 8000) both narrowband, as they are there."""
     agent = np.concatenate([read_wav(FIXTURES / w, RATE) for w in AGENT_WAVS])
-    agent = at_level(np.tile(agent, 3), args.speech_rms)
-    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), args.speech_rms)
-    if leg_rate == 8000:  # a phone leg: both directions are narrowband
+    agent = at_level(np.tile(agent, 3), speech_rms)
+    caller = at_level(read_wav(FIXTURES / CALLER_WAV, RATE), speech_rms)
+    if leg_rate == 8000:
         agent = resample(resample(agent, RATE, 8000), 8000, RATE)
         caller = resample(resample(caller, RATE, 8000), 8000, RATE)
+    return agent, caller
+
+
+def _main(args: argparse.Namespace) -> int:
+    leg_rate = 8000 if args.leg == "phone" else 48000
+    agent, caller = voices(leg_rate, args.speech_rms)
     rir = room_impulse_response(RATE)
     moments = np.linspace(args.first_s, args.last_s, args.barge_ins)
     echoes = [None] + [float(x) for x in args.echo_db.split(",") if x]

@@ -421,9 +421,10 @@ class AudioProcessingStage:
         the first (whole, a WebRTC barge-in of the bench came 32 ms later). Where the young estimate's residual
         over a run at full voice confirmed them, from the first frame of what that test looked at, whole."""
         recent = list(self._recent)
-        first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)
         if self._by_run:  # from the first frame of the run the test looked at (this frame is its last)
             first, by_estimate = max(0, len(recent) - self._strong_frames + 1), True
+        else:
+            first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)
         if first == len(recent):
             return np.zeros(0, np.float32)
         if not by_estimate:  # found where AEC3 already let them through: they began before
