@@ -67,6 +67,18 @@ async def read_events(ws, tap: EventTap) -> None:
             tap(msg.data)
 
 
+async def stream_ended(reader: asyncio.Task, what: str, timeout: float = 30) -> None:
+    """The server writes a call's last events, then closes its stream: judge them only once it has.
+
+    The session is closed a step before its stream's writer gets to the socket, so events the
+    session emitted last (a transfer's ``completed``) can still be in flight when ``closed`` is seen.
+    """
+    try:
+        await asyncio.wait_for(reader, timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"the event stream did not end within {timeout:.0f} s of {what}") from None
+
+
 def rtp_seconds(path) -> float:
     return 0.02 * len(parse_rtp(read_pcap_udp(path))) if path.exists() else 0.0
 
@@ -110,10 +122,10 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
             proc = await asyncio.create_subprocess_exec(
                 "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "120",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            http = aiohttp.ClientSession()
             try:
                 await wait_until(lambda: app[REGISTRY_KEY].calls or proc.returncode is not None, 60, "the call")
                 (call,) = list(app[REGISTRY_KEY].calls.values())
-                http = aiohttp.ClientSession()
                 ws = await http.ws_connect(f"{url}/v1/telephony/calls/{call.session.id}/events", headers=OPERATOR)
                 tap = EventTap()
                 reader = asyncio.create_task(read_events(ws, tap))
@@ -135,10 +147,9 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
                 assert status == 202 and body["status"] in ("requested", "trying"), body
                 await wait_until(lambda: call.session.closed, 60, "the caller to reach the target")
                 assert call.session.close_reason == "transferred"
+                await stream_ended(reader, "the transfer")
                 transfer = [(e["status"], e.get("sip_status")) for e in tap.of("call.transfer")]
                 assert transfer[-1] == ("completed", 200) and ("requested", None) in transfer[1:], transfer
-                await reader  # the stream ends with the session
-                await http.close()
                 completed_at = [e["_at"] for e in tap.of("call.transfer") if e["status"] == "completed"][0]
                 print(f"transfer request to the caller reaching the target: {(completed_at - asked_at) * 1000:.0f} ms")
                 # Leg two: the caller and the target talk; then the caller hangs up.
@@ -150,6 +161,7 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
                 result = await far_end
                 assert result.returncode == 0, result.explain()
             finally:
+                await http.close()
                 if proc.returncode is None:
                     proc.kill()
                     await proc.wait()
@@ -273,9 +285,9 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
             assert call_id == consult["sip_call_id"]
             assert {p.split("=")[0] for p in params} == {"to-tag", "from-tag"}
             # baresip 1.0 cannot call such a URI (NOTIFY 400): the server refers it plainly instead.
+            await stream_ended(reader, "the transfer")
             statuses = [e["status"] for e in tap.of("call.transfer")]
             assert statuses[-1] == "completed", statuses
-            await reader
             proc.stdin.write(b"/hangup\n")
             await proc.stdin.drain()
             result = await person_end
