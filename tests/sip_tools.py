@@ -218,7 +218,11 @@ class LoopbackCapture:
                     raise RuntimeError("tshark exited before capturing")
                 if b"Capturing on" in line:
                     return
-        await asyncio.wait_for(ready(), 60)
+        try:
+            await asyncio.wait_for(ready(), 60)
+        except BaseException:  # not ready (or the test gave up): no capture outlives it
+            await self.stop()
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -443,6 +447,11 @@ async def _sipp(scenario: str, workdir: Path, tag: str, timeout_s: float, args: 
     except asyncio.TimeoutError:
         proc.kill()
         out, err = await proc.communicate()
+    except BaseException:  # the test ended without waiting for it (it failed, or was cancelled): SIPp goes too
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
     stats = errors.read_text(errors="replace") if errors.exists() else ""
     if message_tail:
         stats += "\n" + (messages.read_text(errors="replace")[-4000:] if messages.exists() else "")

@@ -7,8 +7,6 @@ and the events say so (``vocoder: false``).
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
@@ -88,11 +86,9 @@ async def test_lychee_tiny_takes_the_agents_instructions_over_the_ga_dialect(tin
             session = app[REGISTRY_KEY].calls[call_id].session
             backend = app[ENGINE_KEY].backend
             slot = backend.runner.slots[session.slot.index]
-            for _ in range(100):  # the restart runs on the engine thread
-                if slot.instructions == "Be brief.":
-                    break
-                await asyncio.sleep(0.1)
-            assert backend.tokenizer.decode(slot.prefix_ids) == "<|BOT|>system\nBe brief.<|EOT|>"
+            # The restart runs on the engine thread, which sets the instructions, then the prefix from them.
+            prefix = "<|BOT|>system\nBe brief.<|EOT|>"
+            await wait_until(lambda: backend.tokenizer.decode(slot.prefix_ids) == prefix, 10, "the new system prefix")
 
             client.send({"type": "response.create"})  # "answer now"
             created = await client.wait_event("response.created", timeout=30)

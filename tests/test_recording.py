@@ -98,9 +98,9 @@ async def test_a_server_killed_mid_call_leaves_a_playable_recording(tmp_path, lo
         await client.connect()
         try:
             sent = np.concatenate([SILENCE, long_utterance])
-            client.mic.feed(sent)
+            start = client.mic.feed(sent)  # the stream's time of its first sample: silence went before
             await client.wait_event("output_audio_buffer.started", timeout=60)
-            await client.wait_sent(len(sent))
+            await client.wait_sent(round(start * RATE) + len(sent))
             meta_path = tmp_path / client.session_id / "meta.json"
             started_at = json.loads(meta_path.read_text())["started_at"]
             killed_at = time.time()
@@ -178,8 +178,8 @@ async def test_the_caller_channel_keeps_its_time_through_packet_loss(tmp_path, l
         client.impair_uplink(impairment)
         try:
             sent = np.concatenate([SILENCE, long_utterance, SILENCE])
-            client.mic.feed(sent)
-            await client.wait_sent(len(sent))
+            start = client.mic.feed(sent)  # the stream's time of its first sample: silence went before
+            await client.wait_sent(round(start * RATE) + len(sent))
             assert impairment.dropped >= 10
             async with aiohttp.ClientSession() as http:
                 async with http.delete(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers) as r:

@@ -42,8 +42,8 @@ async def test_recordings_are_fetched_listed_and_deleted_by_who_may(tmp_path):
     async with running_server(server={"auth_token": KEY}, recording=recording) as (url, _):
         a, b = await _call(url), await _call(url)
         try:
-            a.mic.feed(TONE)
-            await a.wait_sent(len(TONE))
+            start = a.mic.feed(TONE)
+            await a.wait_sent(round(start * RATE) + len(TONE))
             async with aiohttp.ClientSession() as http:
                 rec = f"{url}/v1/sessions/{a.session_id}/recording"
                 # During the call: its own token or the server key; another session's token is no key.
@@ -140,7 +140,8 @@ async def test_a_profile_that_keeps_recording_to_itself_refuses_the_client(tmp_p
             client.send({"type": "session.update", "session": {"recording": False}})
             error = await client.wait_event("error", timeout=60)
             assert error["error"]["code"] == "recording_not_allowed"
-            assert (tmp_path / client.session_id / "audio.ogg").exists()
+            # The recording's writer creates its file on its own thread.
+            await wait_until(lambda: (tmp_path / client.session_id / "audio.ogg").exists(), 10, "the recording's file")
         finally:
             await client.close()
 
@@ -208,8 +209,8 @@ async def test_a_finished_recording_is_uploaded_to_object_storage(tmp_path):
             client = RtcClient(url)
             await client.connect()
             try:
-                client.mic.feed(TONE)
-                await client.wait_sent(len(TONE))
+                start = client.mic.feed(TONE)
+                await client.wait_sent(round(start * RATE) + len(TONE))
                 async with aiohttp.ClientSession() as http:
                     async with http.delete(f"{url}/v1/sessions/{client.session_id}", headers=client.auth_headers):
                         pass
@@ -342,8 +343,8 @@ async def test_a_whip_call_is_recorded_like_any_other(tmp_path):
                     assert resp.status == 201, await resp.text()
                     location, answer = resp.headers["Location"], await resp.text()
                 await client.accept_answer(answer, timeout=30)
-                client.mic.feed(TONE)
-                await client.wait_sent(len(TONE))
+                start = client.mic.feed(TONE)
+                await client.wait_sent(round(start * RATE) + len(TONE))
                 (session_id,) = [sid for sid in app_calls(app)]
                 async with http.delete(f"{url}{location}") as resp:
                     assert resp.status == 200

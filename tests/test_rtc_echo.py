@@ -94,6 +94,8 @@ async def test_echo_answers_a_spoken_utterance(echo_server, utterance):
         client.mic.feed(utterance)
         done = await client.wait_event("response.done", timeout=60)
         assert done["response"]["status"] == "completed"
+        # The turn goes back to listening in the same step, as a message of its own after this one.
+        await client.wait_event("turn.state", timeout=10, after=client.events.index(done), state="listening")
         types = [e["type"] for e in client.events]
         assert_subsequence(types, [
             "session.created", "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",

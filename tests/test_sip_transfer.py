@@ -67,6 +67,14 @@ async def read_events(ws, tap: EventTap) -> None:
             tap(msg.data)
 
 
+async def stopped(reader: asyncio.Task | None) -> None:
+    """A test's event reader, ended on every path: one that failed (an event that breaks the protocol) is
+    not left for the next test to find."""
+    if reader is not None:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
 async def stream_ended(reader: asyncio.Task, what: str, timeout: float = 30) -> None:
     """The server writes a call's last events, then closes its stream: judge them only once it has.
 
@@ -123,6 +131,7 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
                 "baresip", "-f", str(conf), "-e", f"/dial {stack.bot_uri}", "-t", "120",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             http = aiohttp.ClientSession()
+            reader = None
             try:
                 await wait_until(lambda: app[REGISTRY_KEY].calls or proc.returncode is not None, 60, "the call")
                 (call,) = list(app[REGISTRY_KEY].calls.values())
@@ -161,6 +170,7 @@ async def test_caller_is_transferred_to_a_person_and_both_legs_carry_audio(stack
                 result = await far_end
                 assert result.returncode == 0, result.explain()
             finally:
+                await stopped(reader)
                 await http.close()
                 if proc.returncode is None:
                     proc.kill()
@@ -232,8 +242,9 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
         http = aiohttp.ClientSession()
         # The SIP the caller and Kamailio receive, to read the REFERs (started first: tshark needs a moment).
         sip_capture = LoopbackCapture(tmp_path / "sip.pcap", f"udp and (dst port {stack.ports.sip} or dst port {caller_sip})")
-        await sip_capture.__aenter__()
+        reader = None
         try:
+            await sip_capture.__aenter__()
             (call,) = await answered_calls(app)
             ws = await http.ws_connect(f"{url}/v1/telephony/calls/{call.session.id}/events", headers=OPERATOR)
             tap = EventTap()
@@ -293,6 +304,7 @@ async def test_attended_transfer_returns_to_the_caller_or_hands_over_with_replac
             result = await person_end
             assert result.returncode == 0, result.explain()
         finally:
+            await stopped(reader)
             await sip_capture.stop()
             await http.close()
             if proc.returncode is None:

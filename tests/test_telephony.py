@@ -402,9 +402,11 @@ async def test_malformed_frames_get_errors_and_the_server_lives_on(short_utteran
         await good.connect()
         try:
             events = EventStream(url, spec("twilio")["call_id"])
-            await events.connect()
-            await events.wait("session.created", timeout=10)
-            await events.close()
+            try:
+                await events.connect()
+                await events.wait("session.created", timeout=10)
+            finally:
+                await events.close()
         finally:
             await good.close()
 

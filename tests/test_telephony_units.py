@@ -10,6 +10,7 @@ import av
 import numpy as np
 import pytest
 from aiohttp import encode_basic_auth
+from conftest import wait_until
 from telephony_support import CREDENTIALS, PROVIDERS, spec
 from twilio.request_validator import RequestValidator
 from yarl import URL
@@ -299,7 +300,7 @@ async def test_pacer_counts_only_confirmed_audio_and_ignores_marks_echoed_by_the
     task = asyncio.create_task(playout.run())
     try:
         playout.write(0, "r1", np.full(24000, 0.3, np.float32))  # one second
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: playout.counters.held_for_playout, 10, "the pacer to stop at max_ahead_ms")
         sent = _drain(outbox)
         media = [m for m in sent if m["event"] == "media"]
         marks = [m["mark"]["name"] for m in sent if m["event"] == "mark"]
