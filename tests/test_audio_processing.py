@@ -94,6 +94,30 @@ def test_the_onset_comes_from_the_best_witness_and_says_which():
     assert find_onset(frames([None] * 2, [loud, quiet], [None] * 2), 0) == (2, False)  # the last frame was not them
 
 
+def test_the_estimates_onset_reaches_back_to_where_the_caller_rose_and_no_further():
+    def frames(levels_db, shown, over):
+        return [OnsetWitness((s, 10 ** (level / 10)), 1e-6, o) for level, s, o in zip(levels_db, shown, over)]
+    # A long run of evidence: the room's tail fading where the agent's voice dropped, then the caller rising to
+    # the three frames that show them beyond doubt. They began at the quietest frame between the two (before,
+    # the onset was the run beyond doubt, and the caller's first 40-100 ms were lost).
+    tail_then_caller = [-30, -34, -38, -42, -36, -31, -27, -24, -21, -19, -17, -16]
+    assert find_onset(frames(tail_then_caller, [True] * 12, [100.0] * 12), 3) == (4, True)
+    # ... less frames 20 dB under the caller: the tail's last, not them.
+    tail_then_caller = [-30, -38, -45, -52, -53, -20, -18, -17, -16, -16, -16, -16]
+    assert find_onset(frames(tail_then_caller, [True] * 12, [100.0] * 12), 3) == (5, True)
+    # Before the estimate's evidence (the last three frames) the caller's first frames stood 3-6 dB over what
+    # it expects of the echo, rising frame to frame: up to three of them are the caller too.
+    rising = [-45, -41, -38, -35, -31, -27, -24, -22]
+    over = [1.0, 2.5, 2.5, 3.0, 4.0, 10.0, 10.0, 10.0]
+    shown = [False] * 5 + [True] * 3
+    assert find_onset(frames(rising, shown, over), 0) == (2, True)
+    # ... not the echo's leftovers, a few dB over it too but not rising into the caller,
+    assert find_onset(frames([-40, -41, -30, -28, -26, -27, -24, -22], shown, over), 0) == (5, True)
+    # ... nor frames under the 3 dB, nor 20 dB under the caller.
+    assert find_onset(frames(rising, shown, [1.0, 2.5, 2.5, 3.0, 1.5, 10.0, 10.0, 10.0]), 0) == (5, True)
+    assert find_onset(frames([-60, -55, -50, -47, -40, -27, -24, -22], shown, over), 0) == (4, True)
+
+
 def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
     agent = agent_speech(6.0)
     delay = int(0.12 * RATE)
@@ -510,6 +534,23 @@ def test_a_caller_as_loud_as_the_echo_is_heard_while_the_estimate_is_young():
     assert run.start_s - reference.start_s <= 0.064, f"{1000 * (run.start_s - reference.start_s):.0f} ms late"
     assert run.self_interruptions == 0
     assert run.answer_match is not None and run.answer_match > 0.8
+
+
+@pytest.mark.parametrize("leg_rate, delay_ms, echo_db, at_s", [
+    (48000, 400.0, 0.0, 11.467),  # a long run of evidence (the tail, then the caller): 96 ms late before
+    (8000, 40.0, 0.0, 0.8),  # the caller's first frames under the evidence, rising: 64 ms late before
+    (48000, 120.0, None, 0.7),  # the agent's first 0.7 s end with the caller talking, no echo: 64 ms late before
+])
+def test_a_barge_in_of_the_bench_is_heard_from_where_the_caller_began(leg_rate, delay_ms, echo_db, at_s):
+    agent, caller = bargein.voices(leg_rate)
+    rir = room_impulse_response(RATE)
+    reference = bargein.run_once(None, leg_rate, None, delay_ms, None, at_s, agent, caller, rir)
+    run = bargein.run_once(bargein.PHONE_LEG, leg_rate, echo_db, delay_ms, None if echo_db is None else 25.0, at_s,
+                           agent, caller, rir)
+    assert reference.start_s is not None and run.start_s is not None, "the barge-in is heard"
+    assert run.start_s - reference.start_s <= 0.040, f"{1000 * (run.start_s - reference.start_s):.0f} ms late"
+    assert run.self_interruptions == 0
+    assert run.answer_match is not None and run.answer_match > 0.9
 
 
 def test_a_young_estimate_over_a_faint_echo_does_not_take_the_room_for_the_caller():

@@ -387,6 +387,12 @@ class AudioProcessingStage:
         elif talking and self._recent:
             out = clear  # the switch goes back to where the caller began
             self._pending_onset = self._from_onset()
+        elif self._settled_now() and not found and self._loud_run > 1 and self._recent:
+            # Settled without an echo found, a voice at full level on the line: it has been heard through
+            # AEC3, which takes a caller down as it does an echo in its first second. The engine hears the
+            # line from where that run began (the caller 0.7 s into the agent's first words was 64 ms late).
+            out = plain
+            self._pending_onset = self._from_run_start()
         else:
             ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)  # one frame's crossfade
             line = clear if talking else plain
@@ -432,6 +438,17 @@ class AudioProcessingStage:
         plain, handed, _ = recent[first]
         ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
         frames = [plain if by_estimate else plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
+        self.counters.onset_frames += len(frames)
+        return np.concatenate(frames)
+
+    def _settled_now(self) -> bool:
+        """This is the first frame after settling (``SETTLE_FRAMES`` from the agent's first sound)."""
+        return self._first_sound is not None and self.counters.frames - self._first_sound == SETTLE_FRAMES
+
+    def _from_run_start(self) -> np.ndarray:
+        """The line (the plain path) handed on again from the first frame of the run at full voice."""
+        recent = list(self._recent)
+        frames = [p for p, _, _ in recent[max(0, len(recent) - (self._loud_run - 1)):]]
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 

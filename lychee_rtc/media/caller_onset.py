@@ -21,8 +21,12 @@ from dataclasses import dataclass
 # it cannot reach can stand over the little it expects where the agent pauses).
 ONSET_UNDER_PEAK = 0.01
 # Beyond doubt: a caller's quiet first syllable shows up to 60 ms before their strong run; a longer run of
-# evidence before it is the room's tail where the agent's voice dropped, under the line.
+# evidence before it begins with the room's tail where the agent's voice dropped, under the line: the caller
+# began where it was quietest (the tail fades, the caller rises).
 ONSET_QUIET_FRAMES = 6
+# A caller rising under the echo stands a few dB over what the estimate expects before its evidence: up to
+# this many frames before it, each ``ONSET_OVER_EXPECTED`` over and quieter than the next.
+ONSET_LEAD_FRAMES = 3
 # The estimate's residual this far over what it expects of the echo alone, once it was trusted: a caller near
 # the echo's level stands only 3-7 dB over it in their first frames while the estimate is young (under the
 # 9 dB of its evidence), and AEC3's output rises 40-100 ms later.
@@ -69,6 +73,34 @@ def caller_onset(levels: list[float]) -> int:
     return first
 
 
+def quietest_between(residual: list[float], strong: int) -> int:
+    """A long run of evidence (residual levels, mean square) whose frames from ``strong`` on show the caller
+    beyond doubt: the room's tail, then the caller. The last of its quietest frames before ``strong``, less
+    frames from there ``ONSET_UNDER_PEAK`` under the loudest after them (the tail's last)."""
+    before = residual[:strong]
+    first = max(i for i, level in enumerate(before) if level == min(before))
+    floor = ONSET_UNDER_PEAK * max(residual[first:])
+    while residual[first] < floor:
+        first += 1
+    return first
+
+
+def rising_lead(residual: list[float | None], over_expected: list[float | None], first: int) -> int:
+    """Given per frame the estimate's residual level (mean square; None where it cannot say) and its residual
+    over what it expects of the echo alone, and ``first``, the first frame of its evidence of the caller: the
+    caller's first frames before it, up to ``ONSET_LEAD_FRAMES``, each ``ONSET_OVER_EXPECTED`` over what the
+    echo leaves and quieter than the next (a voice rising; the echo's leftovers do not), and not
+    ``ONSET_UNDER_PEAK`` under the loudest from ``first`` on."""
+    floor = ONSET_UNDER_PEAK * max((r for r in residual[first:] if r is not None), default=0.0)
+    lead = first
+    while lead > 0 and first - lead < ONSET_LEAD_FRAMES:
+        here, after, over = residual[lead - 1], residual[lead], over_expected[lead - 1]
+        if here is None or after is None or over is None or over <= ONSET_OVER_EXPECTED or not floor <= here < after:
+            break
+        lead -= 1
+    return lead
+
+
 @dataclass(frozen=True)
 class OnsetWitness:
     """What the stage noted of one frame it handed on, for where the caller began."""
@@ -92,7 +124,10 @@ def find_onset(frames: list[OnsetWitness], strong_frames: int) -> tuple[int, boo
                                          [0.0 if e is None else e[1] for e in evidence])
         strong = len(evidence) - strong_frames + 1  # where the caller became most of the line
         if strong_frames and strong - first > ONSET_QUIET_FRAMES:
-            first = strong
+            first += quietest_between([0.0 if e is None else e[1] for e in evidence[first:]], strong - first)
+        else:
+            first = rising_lead([None if e is None else e[1] for e in evidence],
+                                [f.over_expected for f in frames], first)
         return first, True
     # Not trusted (yet, or any more): where AEC3's output rose, or the estimate's residual before it.
     risen = residual_onset([f.over_expected for f in frames])
