@@ -4,6 +4,8 @@ native ``session.update``, the OpenAI surface's ``audio.input.noise_reduction``.
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 
 import aiohttp
@@ -611,3 +613,22 @@ def test_bench_aec_gives_no_erle_for_a_block_the_echo_has_not_reached_yet():
     blocks = aec_bench.blocks_db(reference, processed, np.ones(len(reference), bool))
     assert [t for t, _ in blocks] == [aec_bench.BLOCK_S]
     assert blocks[0][1] == pytest.approx(40.0)
+
+
+def test_bench_bargein_also_measures_a_line_with_echo_against_the_same_line_without_it(tmp_path):
+    # The room's noise on a line with echo moves some of the VAD's starts by a chunk of its own: besides the
+    # silent line, each barge-in on a line with echo is measured against the same line less the echo, the
+    # processing off, run for run.
+    out = tmp_path / "bargein.json"
+    args = argparse.Namespace(leg="phone", echo_db="0", delay_ms=40.0, snr_db=25.0, noise_without_echo=False,
+                              barge_ins=2, first_s=0.8, last_s=13.6, speech_rms=0.1, json=str(out))
+    assert bargein._main(args) == 0
+    configs = {c["name"]: c for c in json.loads(out.read_text())["configurations"]}
+    silent, noisy = configs["off, no echo"]["runs"], configs["off, no echo, the room's noise"]["runs"]
+    processed = configs["processing, echo 0 dB"]
+    assert processed["late_same_line_ms"] == [round(1000 * (r["start_s"] - ref["start_s"]), 1)
+                                              for r, ref in zip(processed["runs"], noisy)]
+    assert processed["late_ms"] == [round(1000 * (r["start_s"] - ref["start_s"]), 1)
+                                    for r, ref in zip(processed["runs"], silent)]
+    assert processed["summary"]["within_40_ms_same_line"] == sum(x <= 40 for x in processed["late_same_line_ms"])
+    assert configs["processing, no echo"]["late_same_line_ms"] == []  # a line without echo has no other
