@@ -465,6 +465,33 @@ def _free_udp_port() -> int:
         return s.getsockname()[1]
 
 
+_MEDIA_BLOCKS: set[int] = set()  # media bases handed to SIPp in this run: a later one must not overlap them
+
+
+def free_media_port() -> int:
+    """A base for SIPp's media (``-mp``), which binds it and the three UDP ports above it (RTP and RTCP, audio
+    and video): all four free, held together while checked, and clear of every block handed out before in this
+    run (SIPp's calls of one test run side by side). A base picked alone once had SIPp fail to bind its video
+    RTP two ports up (errno 98) on a busy machine."""
+    while True:
+        held: list[socket.socket] = []
+        try:
+            for k in range(4):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                held.append(s)
+                s.bind(("127.0.0.1", 0 if k == 0 else base + k))
+                if k == 0:
+                    base = s.getsockname()[1]
+        except OSError:  # one of the three above is taken (or beyond 65535): another base
+            continue
+        finally:
+            for s in held:
+                s.close()
+        if all(abs(base - other) >= 4 for other in _MEDIA_BLOCKS):
+            _MEDIA_BLOCKS.add(base)
+            return base
+
+
 def ensure_tools() -> None:
     """The Debian packages the SIP tests drive, installed through the repository's helper if missing."""
     needed = {"sipp": "sip-tester", "tshark": "tshark", "baresip": "baresip", "kamailio": "kamailio",
@@ -593,19 +620,12 @@ class Uas:
 
     @classmethod
     def on_free_ports(cls) -> "Uas":
-        """A callee on two free UDP ports, chosen while both are held: ports taken one after the other
-        and released in between can come back the same (SIPp then cannot bind its media, and never
-        listens), and SIPp's media also uses the ports just above its own."""
+        """A callee on free UDP ports: a block for its media (``free_media_port``) and its SIP port outside
+        it (SIPp that cannot bind its media never listens)."""
+        media = free_media_port()
         while True:
-            held = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
-            try:
-                for s in held:
-                    s.bind(("127.0.0.1", 0))
-                sip, media = (s.getsockname()[1] for s in held)
-            finally:
-                for s in held:
-                    s.close()
-            if abs(sip - media) > 4:
+            sip = _free_udp_port()
+            if not media <= sip < media + 4:
                 return cls(sip_port=sip, media_port=media)
 
     def ready(self) -> bool:

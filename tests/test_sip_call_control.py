@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from conftest import free_port, running_server
 from openai import AsyncOpenAI
-from sip_tools import RATE, LoopbackCapture, run_sipp, sipp_uac_scenario, speech_pcap
+from sip_tools import RATE, LoopbackCapture, free_media_port, run_sipp, sipp_uac_scenario, speech_pcap
 from test_rtc_echo import best_match
 from test_openai_python_sdk import next_event, read_until_closed
 from test_openai_realtime import assert_ga_events_valid
@@ -96,7 +96,7 @@ async def test_incoming_call_is_announced_accepted_heard_and_hung_up(stack, tmp_
                            server={"auth_token": KEY}, session={"window_grace_ms": 400}) as (url, app):
         client = AsyncOpenAI(api_key=KEY, base_url=f"{url}/v1", max_retries=0, webhook_secret=SECRET)
         await registered(app)
-        media = free_port()
+        media = free_media_port()
         async with LoopbackCapture(tmp_path / "rx.pcap", media) as capture:
             sipp = asyncio.create_task(run_sipp(sipp_uac_scenario(pcap, hold_ms=60000, hangup="callee"),
                                                 tmp_path, stack.ports.sip, media))
@@ -141,7 +141,7 @@ async def test_incoming_call_rejected_or_left_undecided(stack, tmp_path):
             await client.realtime.calls.accept("sess_nope", type="realtime")
         # Rejected with the application's status.
         sipp = asyncio.create_task(run_sipp(sipp_uac_scenario(None, 0, refused_with=486), tmp_path,
-                                            stack.ports.sip, free_port(), tag="busy"))
+                                            stack.ports.sip, free_media_port(), tag="busy"))
         event = await receiver.next_call(client)
         with pytest.raises(openai.BadRequestError):
             await client.realtime.calls.reject(event.data.call_id, status_code=200)
@@ -152,7 +152,7 @@ async def test_incoming_call_rejected_or_left_undecided(stack, tmp_path):
             await client.realtime.calls.accept(event.data.call_id, type="realtime")
         # Nobody decides: declined 480 after decision_timeout_s, and nothing is left behind.
         sipp = asyncio.create_task(run_sipp(sipp_uac_scenario(None, 0, refused_with=480), tmp_path,
-                                            stack.ports.sip, free_port(), tag="undecided"))
+                                            stack.ports.sip, free_media_port(), tag="undecided"))
         await receiver.next_call(client)
         result = await sipp
         assert result.returncode == 0, result.explain()

@@ -17,8 +17,8 @@ import aiohttp
 import numpy as np
 import pytest
 from conftest import free_port, running_server, synthesize, wait_until
-from sip_tools import (RATE, LoopbackCapture, Rtp, ensure_tools, pcmu_audio, run_sipp, sipp_uac_scenario,
-                       speech_pcap, to_8k)
+from sip_tools import (RATE, LoopbackCapture, Rtp, ensure_tools, free_media_port, pcmu_audio, run_sipp,
+                       sipp_uac_scenario, speech_pcap, to_8k)
 from strict import unavailable
 from test_rtc_echo import best_match
 
@@ -126,7 +126,7 @@ async def test_sipp_call_is_answered_echoed_and_ended_by_the_caller(stack, tmp_p
     async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
                               session={"window_grace_ms": 400}) as (url, app):
         await registered(app)
-        media = free_port()
+        media = free_media_port()
         async with LoopbackCapture(tmp_path / "rx.pcap", media) as capture:
             sipp = asyncio.create_task(run_sipp(sipp_uac_scenario(pcap, hold_ms=int(duration * 1000) + 6000),
                                                 tmp_path, stack.ports.sip, media))
@@ -160,7 +160,7 @@ async def test_server_hangs_up_and_the_caller_gets_a_bye(stack, tmp_path, speech
                               server=KEYED) as (url, app):
         await registered(app)
         sipp = asyncio.create_task(run_sipp(sipp_uac_scenario(pcap, hold_ms=60000, hangup="callee"), tmp_path,
-                                            stack.ports.sip, free_port()))
+                                            stack.ports.sip, free_media_port()))
         (call,) = await answered_session(app)
         await wait_until(lambda: call.connected_at is not None, 60, "the WebRTC leg to Janus")
         async with aiohttp.ClientSession() as http:
@@ -181,12 +181,12 @@ async def test_calls_up_to_capacity_then_busy(stack, tmp_path, speech_8k):
                               session={"max_sessions": 2, "media_timeout_s": 120}) as (url, app):
         await registered(app)
         held = [asyncio.create_task(run_sipp(sipp_uac_scenario(pcap, hold_ms=120000, hangup="callee"),
-                                             tmp_path, stack.ports.sip, free_port(), tag=f"held{i}"))
+                                             tmp_path, stack.ports.sip, free_media_port(), tag=f"held{i}"))
                 for i in range(2)]
         calls = await answered_session(app, 2)
         await wait_until(lambda: all(c.connected_at is not None for c in calls), 60, "both WebRTC legs")
         busy = await run_sipp(sipp_uac_scenario(None, 0, expect_busy=True), tmp_path, stack.ports.sip,
-                              free_port(), tag="busy")
+                              free_media_port(), tag="busy")
         assert busy.returncode == 0, busy.explain()
         listing = await sessions_listing(url)
         assert len(listing["sessions"]) == 2 and listing["free"] == 0
@@ -208,7 +208,7 @@ async def test_keys_arrive_as_events_and_hash_ends_the_turn(stack, tmp_path, spe
                               engine={"echo": {"min_silence_ms": 10000}}) as (url, app):
         await registered(app)
         scenario = sipp_uac_scenario(pcap, hold_ms=3000, info_digits="7", info_after_ms=int(duration * 1000))
-        sipp = asyncio.create_task(run_sipp(scenario, tmp_path, stack.ports.sip, free_port()))
+        sipp = asyncio.create_task(run_sipp(scenario, tmp_path, stack.ports.sip, free_media_port()))
         (call,) = await answered_session(app)
         tap = EventTap()
         NativeDialect(call.session, EventChannel(tap)).attach()
@@ -240,7 +240,7 @@ async def test_barge_in_on_the_phone_cuts_the_answer(stack, tmp_path):
     async with running_server("configs/telephony.yaml", gateway=gateway_overrides(stack),
                               session={"window_grace_ms": 400}) as (url, app):
         await registered(app)
-        media = free_port()
+        media = free_media_port()
         async with LoopbackCapture(tmp_path / "rx.pcap", media) as capture:
             sipp = asyncio.create_task(run_sipp(sipp_uac_scenario(pcap, hold_ms=int(duration * 1000) + 8000),
                                                 tmp_path, stack.ports.sip, media))
@@ -352,7 +352,7 @@ async def test_gateway_registers_again_after_kamailio_and_janus_restart(stack, t
     speech_pcap(pcap, [speech_8k[: RATE]])
 
     async def one_call(tag: str) -> None:
-        result = await run_sipp(sipp_uac_scenario(pcap, hold_ms=1000), tmp_path, stack.ports.sip, free_port(),
+        result = await run_sipp(sipp_uac_scenario(pcap, hold_ms=1000), tmp_path, stack.ports.sip, free_media_port(),
                                 tag=tag)
         assert result.returncode == 0, result.explain()
 
