@@ -474,15 +474,13 @@ def free_media_port() -> int:
     run (SIPp's calls of one test run side by side). A base picked alone once had SIPp fail to bind its video
     RTP two ports up (errno 98) on a busy machine."""
     while True:
-        held: list[socket.socket] = []
+        held = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
         try:
-            for k in range(4):
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                held.append(s)
-                s.bind(("127.0.0.1", 0 if k == 0 else base + k))
-                if k == 0:
-                    base = s.getsockname()[1]
-        except OSError:  # one of the three above is taken (or beyond 65535): another base
+            held[0].bind(("127.0.0.1", 0))
+            base = held[0].getsockname()[1]
+            for k, s in enumerate(held[1:], 1):
+                s.bind(("127.0.0.1", base + k))
+        except (OSError, OverflowError):  # one of the three above is taken (or beyond 65535): another base
             continue
         finally:
             for s in held:

@@ -435,20 +435,26 @@ class AudioProcessingStage:
             return np.zeros(0, np.float32)
         if not by_estimate:  # found where AEC3 already let them through: they began before
             first = max(0, first - ONSET_AHEAD_FRAMES)
-        plain, handed, _ = recent[first]
-        ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
-        frames = [plain if by_estimate else plain * ramp + handed * (1 - ramp)] + [p for p, _, _ in recent[first + 1:]]
-        self.counters.onset_frames += len(frames)
-        return np.concatenate(frames)
+        return self._line_from(recent, first, fade=not by_estimate)
 
     def _settled_now(self) -> bool:
         """This is the first frame after settling (``SETTLE_FRAMES`` from the agent's first sound)."""
         return self._first_sound is not None and self.counters.frames - self._first_sound == SETTLE_FRAMES
 
     def _from_run_start(self) -> np.ndarray:
-        """The line (the plain path) handed on again from the first frame of the run at full voice."""
+        """The line handed on again from the first frame of the run at full voice (this frame is its last)."""
         recent = list(self._recent)
-        frames = [p for p, _, _ in recent[max(0, len(recent) - (self._loud_run - 1)):]]
+        return self._line_from(recent, max(0, len(recent) - self._loud_run + 1))
+
+    def _line_from(self, recent: list[tuple[np.ndarray, np.ndarray, OnsetWitness]], first: int,
+                   fade: bool = False) -> np.ndarray:
+        """The line as the frames ``recent[first:]`` held it, to be handed on again (counted); with ``fade``,
+        crossfaded in over the first frame from what was handed on there."""
+        line, handed, _ = recent[first]
+        if fade:
+            ramp = np.linspace(0.0, 1.0, self.frame, dtype=np.float32)
+            line = line * ramp + handed * (1 - ramp)
+        frames = [line] + [p for p, _, _ in recent[first + 1:]]
         self.counters.onset_frames += len(frames)
         return np.concatenate(frames)
 

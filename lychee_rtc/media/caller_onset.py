@@ -85,17 +85,17 @@ def quietest_between(residual: list[float], strong: int) -> int:
     return first
 
 
-def rising_lead(residual: list[float | None], over_expected: list[float | None], first: int) -> int:
-    """Given per frame the estimate's residual level (mean square; None where it cannot say) and its residual
-    over what it expects of the echo alone, and ``first``, the first frame of its evidence of the caller: the
+def rising_lead(residual: list[float], over_expected: list[float | None], first: int) -> int:
+    """Given per frame the estimate's residual level (mean square; 0 where it cannot say) and its residual over
+    what it expects of the echo alone, and ``first``, the first frame of its evidence of the caller: the
     caller's first frames before it, up to ``ONSET_LEAD_FRAMES``, each ``ONSET_OVER_EXPECTED`` over what the
     echo leaves and quieter than the next (a voice rising; the echo's leftovers do not), and not
     ``ONSET_UNDER_PEAK`` under the loudest from ``first`` on."""
-    floor = ONSET_UNDER_PEAK * max((r for r in residual[first:] if r is not None), default=0.0)
+    floor = ONSET_UNDER_PEAK * max(residual[first:], default=0.0)
     lead = first
     while lead > 0 and first - lead < ONSET_LEAD_FRAMES:
-        here, after, over = residual[lead - 1], residual[lead], over_expected[lead - 1]
-        if here is None or after is None or over is None or over <= ONSET_OVER_EXPECTED or not floor <= here < after:
+        over = over_expected[lead - 1]
+        if over is None or over <= ONSET_OVER_EXPECTED or not floor <= residual[lead - 1] < residual[lead]:
             break
         lead -= 1
     return lead
@@ -120,14 +120,13 @@ def find_onset(frames: list[OnsetWitness], strong_frames: int) -> tuple[int, boo
     the run of frames, ending with the last, that showed the caller beyond doubt (0: none)."""
     evidence = [f.evidence for f in frames]
     if evidence and evidence[-1] is not None and evidence[-1][0]:  # the estimate sees them under the echo
-        first = caller_onset_in_evidence([e is not None and e[0] for e in evidence],
-                                         [0.0 if e is None else e[1] for e in evidence])
+        residual = [0.0 if e is None else e[1] for e in evidence]
+        first = caller_onset_in_evidence([e is not None and e[0] for e in evidence], residual)
         strong = len(evidence) - strong_frames + 1  # where the caller became most of the line
         if strong_frames and strong - first > ONSET_QUIET_FRAMES:
-            first += quietest_between([0.0 if e is None else e[1] for e in evidence[first:]], strong - first)
+            first += quietest_between(residual[first:], strong - first)
         else:
-            first = rising_lead([None if e is None else e[1] for e in evidence],
-                                [f.over_expected for f in frames], first)
+            first = rising_lead(residual, [f.over_expected for f in frames], first)
         return first, True
     # Not trusted (yet, or any more): where AEC3's output rose, or the estimate's residual before it.
     risen = residual_onset([f.over_expected for f in frames])
