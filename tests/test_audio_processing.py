@@ -25,7 +25,7 @@ from lychee_rtc.bench.speakerphone import pink_noise, rms, room_impulse_response
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.audio_processing import (MAX_REFERENCE_S, ONSET_AHEAD_FRAMES, ONSET_LOOKBACK_FRAMES,
                                               AudioProcessingStage)
-from lychee_rtc.media.caller_onset import OnsetWitness, caller_onset, find_onset, residual_onset
+from lychee_rtc.media.caller_onset import OnsetWitness, caller_onset, find_onset, residual_onset, rising_into
 from lychee_rtc.session.processing import ProcessingUnavailable
 from lychee_rtc.session.protocol import validate_server_event
 
@@ -118,6 +118,25 @@ def test_the_estimates_onset_reaches_back_to_where_the_caller_rose_and_no_furthe
     # ... nor frames under the 3 dB, nor 20 dB under the caller.
     assert find_onset(frames(rising, shown, [1.0, 2.5, 2.5, 3.0, 1.5, 10.0, 10.0, 10.0]), 0) == (5, True)
     assert find_onset(frames([-60, -55, -50, -47, -40, -27, -24, -22], shown, over), 0) == (4, True)
+
+
+def test_a_run_the_young_estimate_confirmed_reaches_back_only_over_where_the_line_rose():
+    def power(levels_db):
+        return [10 ** (level / 10) for level in levels_db]
+    # The run at full voice began two frames before the frames the test looked at (from 4 on), the line rising
+    # 4-24 dB a frame there: the caller's first syllable.
+    assert rising_into(power([-60, -58, -34, -30, -25, -20, -18]), 4, 2) == 2
+    # ... a rise that levelled off a frame before what the test looked at (their first vowel) counts too,
+    assert rising_into(power([-33, -33, -29, -23, -23, -22, -21]), 4, 0) == 2
+    # ... but not before the run, nor further back than three frames however long the rise,
+    assert rising_into(power([-45, -40, -35, -30, -25, -20, -18]), 4, 3) == 3
+    assert rising_into(power([-50, -45, -40, -35, -30, -25, -20, -18]), 6, 0) == 3
+    # ... and not over a line the echo held at full voice before the caller, level or rising under 3 dB a frame,
+    assert rising_into(power([-20, -21, -20, -19, -18, -14, -13]), 4, 0) == 4
+    assert rising_into(power([-20, -21, -20, -18.5, -17, -14, -13]), 4, 0) == 4
+    # ... even where the frame before the test's run stands 3 dB under it (it did not rise itself).
+    assert rising_into(power([-33, -34, -33, -33.5, -29, -27]), 4, 0) == 4
+    assert rising_into(power([-20, -16]), 1, 0) == 1  # nothing before the first frame to have risen over
 
 
 def test_a_caller_over_an_echo_as_loud_is_handed_on_from_where_they_began():
@@ -521,19 +540,23 @@ def test_an_estimate_that_predicts_an_echo_the_line_does_not_hold_is_not_taken_f
     assert run.start_s is not None and run.start_s < 0.0, "the barge-in itself is heard"
 
 
-def test_a_caller_as_loud_as_the_echo_is_heard_while_the_estimate_is_young():
-    # The bench's first barge-in (0.8 s into the agent's first words) on a 250 ms WebRTC path with the echo as
-    # loud as the caller: the echo is found 0.36 s after the agent's first sound and the linear estimate, not
-    # trusted yet, showed nothing; the line stood at the echo's ceiling, not over it, and AEC3 took the caller
-    # down for 0.7 s (the engine heard them 704 ms late, and its answer matched what they said 0.24).
-    agent, caller = bargein.voices(48000)
+@pytest.mark.parametrize("leg_rate, delay_ms, at_s", [
+    (48000, 250.0, 0.8),  # the search finds the echo 0.36 s after the agent's first sound: 704 ms late before
+    (8000, 120.0, 0.4),  # 0.4 s into the agent's first words, the echo found just before the caller began
+])
+def test_a_caller_as_loud_as_the_echo_is_heard_while_the_estimate_is_young(leg_rate, delay_ms, at_s):
+    # The echo as loud as the caller, the linear estimate placed but not trusted yet: it showed nothing, the line
+    # stood at the echo's ceiling, not over it, and AEC3 took the caller down for 0.7 s (the first barge-in on a
+    # 250 ms WebRTC path: the engine heard them 704 ms late, and its answer matched what they said 0.24).
+    agent, caller = bargein.voices(leg_rate)
     rir = room_impulse_response(RATE)
-    reference = bargein.run_once(None, 48000, None, 250.0, None, 0.8, agent, caller, rir)  # processing off, no echo
-    run = bargein.run_once(bargein.PHONE_LEG, 48000, 0.0, 250.0, 25.0, 0.8, agent, caller, rir)
+    reference = bargein.run_once(None, leg_rate, None, delay_ms, None, at_s, agent, caller, rir)  # off, no echo
+    run = bargein.run_once(bargein.PHONE_LEG, leg_rate, 0.0, delay_ms, 25.0, at_s, agent, caller, rir)
     assert reference.start_s is not None and run.start_s is not None, "the barge-in is heard"
-    # Confirmed 120 ms after they began, it is handed on from the first of the 100 ms the test looked at: two of
-    # the VAD's 32 ms chunks late at most (the line before that run may be the echo at full voice).
-    assert run.start_s - reference.start_s <= 0.064, f"{1000 * (run.start_s - reference.start_s):.0f} ms late"
+    # Confirmed 110 ms after they began, the test having looked at the 100 ms before: handed on from the first
+    # of those frames, 20 ms after the caller began, the engine heard both 64 ms late; from where the line rose
+    # into them (their first two frames), within 40 ms.
+    assert run.start_s - reference.start_s <= 0.040, f"{1000 * (run.start_s - reference.start_s):.0f} ms late"
     assert run.self_interruptions == 0
     assert run.answer_match is not None and run.answer_match > 0.8
 

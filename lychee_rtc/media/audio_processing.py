@@ -44,7 +44,7 @@ import numpy as np
 
 from lychee_rtc.config import AudioProcessing
 from lychee_rtc.media.apm_frames import ApmFrames
-from lychee_rtc.media.caller_onset import OnsetWitness, find_onset
+from lychee_rtc.media.caller_onset import OnsetWitness, find_onset, rising_into
 from lychee_rtc.media.echo_estimate import CERTAIN_WINDOW_FRAMES, FrameEstimate, LinearEchoEstimate
 from lychee_rtc.media.echo_presence import EchoPresence
 from lychee_rtc.pcm import PcmResampler
@@ -425,10 +425,15 @@ class AudioProcessingStage:
         the caller (0.39-0.44, whole 0.55-0.67: docs/benchmarks.md, ``bench bargein``). Where only AEC3's
         output rose (``media/caller_onset.py``), from ``ONSET_AHEAD_FRAMES`` before it, crossfaded in over
         the first (whole, a WebRTC barge-in of the bench came 32 ms later). Where the young estimate's residual
-        over a run at full voice confirmed them, from the first frame of what that test looked at, whole."""
+        over a run at full voice confirmed them, from the first frame of what that test looked at, whole, or
+        from up to ``ONSET_LEAD_FRAMES`` before it where the line rose as the caller began (the run may begin with the
+        echo at full voice, so not from where the run began; the WebRTC barge-in 0.8 s into the agent's words
+        on a 250 ms path, the echo as loud, began 20 ms before what the test looked at: 64 ms late from there)."""
         recent = list(self._recent)
         if self._by_run:  # from the first frame of the run the test looked at (this frame is its last)
             first, by_estimate = max(0, len(recent) - self._strong_frames + 1), True
+            levels = [float(np.mean(np.square(line))) for line, _, _ in recent]
+            first = rising_into(levels, first, len(recent) - self._loud_run)
         else:
             first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)
         if first == len(recent):

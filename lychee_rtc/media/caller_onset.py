@@ -6,7 +6,8 @@ confirmation the engine is handed the line as it was from where they began. Thre
 the linear echo estimate's evidence of the caller (``media/echo_estimate.py``: its residual over what it
 expects of the echo alone, or, before it is trusted, the line over the echo's ceiling); the same residual
 at a lower bar, where the estimate was trusted once but its evidence did not hold (a caller near the echo's
-level while the estimate is young); and AEC3's output rising over the least it let through.
+level while the estimate is young); and AEC3's output rising over the least it let through. Where the young
+estimate's residual over a run at full voice confirmed them, the line rising into what that test looked at.
 
 Pure functions over lists, oldest frame first; each returns the index of the first frame the caller is in,
 or the list's length where the last frame does not show them.
@@ -31,6 +32,9 @@ ONSET_LEAD_FRAMES = 3
 # the echo's level stands only 3-7 dB over it in their first frames while the estimate is young (under the
 # 9 dB of its evidence), and AEC3's output rises 40-100 ms later.
 ONSET_OVER_EXPECTED = 10 ** (3 / 10)
+# A voice beginning: its first frames each this far over the frame before them (where a caller begins over
+# an echo already at full voice, the echo's line before them stays level).
+ONSET_RISE = 10 ** (3 / 10)
 # AEC3's output this far over the least it let through in the look-back (its echo alone, the line's noise).
 ONSET_OVER_FLOOR = 10 ** (3 / 10)
 SILENT = 1e-9  # an output level under this (-90 dBFS) is no one
@@ -97,6 +101,19 @@ def rising_lead(residual: list[float], over_expected: list[float | None], first:
         over = over_expected[lead - 1]
         if over is None or over <= ONSET_OVER_EXPECTED or not floor <= residual[lead - 1] < residual[lead]:
             break
+        lead -= 1
+    return lead
+
+
+def rising_into(levels: list[float], first: int, earliest: int) -> int:
+    """Given per frame the line's level (mean square), ``first``, the first frame of a run a test found the
+    caller in, and ``earliest``, the first frame of the run at full voice it is part of: the caller's frames
+    before ``first``, up to ``ONSET_LEAD_FRAMES`` and not before ``earliest``, each ``ONSET_RISE`` over the
+    frame before it (where the line rose as they began; the echo's line before them does not rise so, frame
+    after frame, into them)."""
+    lead = first
+    while lead > max(earliest, 1) and first - lead < ONSET_LEAD_FRAMES and \
+            levels[lead - 2] * ONSET_RISE < levels[lead - 1]:
         lead -= 1
     return lead
 
