@@ -554,8 +554,8 @@ def test_a_caller_as_loud_as_the_echo_is_heard_while_the_estimate_is_young(leg_r
     run = bargein.run_once(bargein.PHONE_LEG, leg_rate, 0.0, delay_ms, 25.0, at_s, agent, caller, rir)
     assert reference.start_s is not None and run.start_s is not None, "the barge-in is heard"
     # Confirmed 110 ms after they began, the test having looked at the 100 ms before: handed on from the first
-    # of those frames, 20 ms after the caller began, the engine heard both 64 ms late; from where the line rose
-    # into them (their first two frames), within 40 ms.
+    # of those frames, 20-30 ms after the caller began, the engine heard both 64 ms late; from where the line
+    # rose as they began (two or three frames before), within 40 ms.
     assert run.start_s - reference.start_s <= 0.040, f"{1000 * (run.start_s - reference.start_s):.0f} ms late"
     assert run.self_interruptions == 0
     assert run.answer_match is not None and run.answer_match > 0.8

@@ -428,7 +428,7 @@ class AudioProcessingStage:
         over a run at full voice confirmed them, from the first frame of what that test looked at, whole, or
         from up to ``ONSET_LEAD_FRAMES`` before it where the line rose as the caller began (the run may begin with the
         echo at full voice, so not from where the run began; the WebRTC barge-in 0.8 s into the agent's words
-        on a 250 ms path, the echo as loud, began 20 ms before what the test looked at: 64 ms late from there)."""
+        on a 250 ms path, the echo as loud, began 30 ms before what the test looked at: 64 ms late from there)."""
         recent = list(self._recent)
         if self._by_run:  # from the first frame of the run the test looked at (this frame is its last)
             first, by_estimate = max(0, len(recent) - self._strong_frames + 1), True
