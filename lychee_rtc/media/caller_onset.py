@@ -7,7 +7,8 @@ the linear echo estimate's evidence of the caller (``media/echo_estimate.py``: i
 expects of the echo alone, or, before it is trusted, the line over the echo's ceiling); the same residual
 at a lower bar, where the estimate was trusted once but its evidence did not hold (a caller near the echo's
 level while the estimate is young); and AEC3's output rising over the least it let through. Where the young
-estimate's residual over a run at full voice confirmed them, the line rising into what that test looked at.
+estimate's residual over a run at full voice confirmed them, where the line rose before what that test
+looked at (``rising_into``).
 
 Pure functions over lists, oldest frame first; each returns the index of the first frame the caller is in,
 or the list's length where the last frame does not show them.
@@ -26,7 +27,8 @@ ONSET_UNDER_PEAK = 0.01
 # began where it was quietest (the tail fades, the caller rises).
 ONSET_QUIET_FRAMES = 6
 # A caller rising under the echo stands a few dB over what the estimate expects before its evidence: up to
-# this many frames before it, each ``ONSET_OVER_EXPECTED`` over and quieter than the next.
+# this many frames before it, each ``ONSET_OVER_EXPECTED`` over and quieter than the next (and as many before
+# the young estimate's run, where the line rose: ``rising_into``).
 ONSET_LEAD_FRAMES = 3
 # The estimate's residual this far over what it expects of the echo alone, once it was trusted: a caller near
 # the echo's level stands only 3-7 dB over it in their first frames while the estimate is young (under the
