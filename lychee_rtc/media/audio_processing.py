@@ -433,6 +433,8 @@ class AudioProcessingStage:
         if self._by_run:  # from the first frame of the run the test looked at (this frame is its last)
             first, by_estimate = max(0, len(recent) - self._strong_frames + 1), True
             levels = [float(np.mean(np.square(line))) for line, _, _ in recent]
+            # As far as the frame before the run at full voice (this frame is the run's last): a caller's first
+            # frame rises into the run from under full voice.
             first = rising_into(levels, first, len(recent) - self._loud_run)
         else:
             first, by_estimate = find_onset([w for _, _, w in recent], self._strong_frames)

@@ -109,10 +109,10 @@ def rising_lead(residual: list[float], over_expected: list[float | None], first:
 
 def rising_into(levels: list[float], first: int, earliest: int) -> int:
     """Given per frame the line's level (mean square), ``first``, the first frame of a run a test found the
-    caller in, and ``earliest``, the first frame of the run at full voice it is part of: the caller's frames
-    before ``first``, up to ``ONSET_LEAD_FRAMES`` and not before ``earliest``, each ``ONSET_RISE`` over the
-    frame before it (where the line rose as they began; the echo's line before them does not rise so, frame
-    after frame, into them)."""
+    caller in, and ``earliest``, the first frame it may reach back to: the caller's frames before ``first``,
+    up to ``ONSET_LEAD_FRAMES`` and not before ``earliest``, each ``ONSET_RISE`` over the frame before it
+    (where the line rose as they began; the echo's line before them does not rise so, frame after frame,
+    into them)."""
     lead = first
     while lead > max(earliest, 1) and first - lead < ONSET_LEAD_FRAMES and \
             levels[lead - 2] * ONSET_RISE < levels[lead - 1]:
